@@ -1,0 +1,103 @@
+"""Flink's checkpoint storage layer, in Python, over any fsspec filesystem.
+
+The coordinator (e.g. a Spark driver) creates checkpoint locations and publishes `_metadata`
+last; workers (e.g. Spark executors) resolve a location reference into a stream factory and
+write their state through it. See DESIGN.md §3 and docs/metadata-format.md.
+"""
+
+from checkpoint_storage._access import (
+    CheckpointStateToolset,
+    CheckpointStorageAccess,
+    CheckpointStorageCoordinatorView,
+    CheckpointStorageWorkerView,
+)
+from checkpoint_storage._handles import (
+    ByteStreamStateHandle,
+    FileStateHandle,
+    RelativeFileStateHandle,
+    StreamStateHandle,
+)
+from checkpoint_storage._ids import JobID
+from checkpoint_storage._locations import (
+    CheckpointMetadataOutputStream,
+    CheckpointStorageLocation,
+    CompletedCheckpointStorageLocation,
+)
+from checkpoint_storage._metadata import (
+    CheckpointMetadata,
+    CheckpointProperties,
+    OperatorState,
+    OperatorSubtaskState,
+    SavepointFormatType,
+    SnapshotType,
+    load_checkpoint_metadata,
+    store_checkpoint_metadata,
+)
+from checkpoint_storage._references import (
+    CheckpointedStateScope,
+    CheckpointStorageLocationReference,
+    decode_path_from_reference,
+    encode_path_as_reference,
+)
+from checkpoint_storage._storage import (
+    CheckpointStorage,
+    FileSystemCheckpointStorage,
+    MemoryCheckpointStorage,
+)
+from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
+from checkpoint_storage.exceptions import (
+    CheckpointAlreadyExistsError,
+    CheckpointCommitFailedError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    CommitStateUnknownError,
+    InvalidCheckpointError,
+    StateIntegrityError,
+    StateSizeExceededError,
+    StreamClosedError,
+    UnsafePathError,
+    UnsupportedFileSystemError,
+)
+
+__all__ = [
+    "ByteStreamStateHandle",
+    "CheckpointAlreadyExistsError",
+    "CheckpointCommitFailedError",
+    "CheckpointMetadata",
+    "CheckpointMetadataOutputStream",
+    "CheckpointNotFoundError",
+    "CheckpointProperties",
+    "CheckpointStateOutputStream",
+    "CheckpointStateToolset",
+    "CheckpointStorage",
+    "CheckpointStorageAccess",
+    "CheckpointStorageCoordinatorView",
+    "CheckpointStorageError",
+    "CheckpointStorageLocation",
+    "CheckpointStorageLocationReference",
+    "CheckpointStorageWorkerView",
+    "CheckpointStreamFactory",
+    "CheckpointedStateScope",
+    "CommitStateUnknownError",
+    "CompletedCheckpointStorageLocation",
+    "FileStateHandle",
+    "FileSystemCheckpointStorage",
+    "InvalidCheckpointError",
+    "JobID",
+    "MemoryCheckpointStorage",
+    "OperatorState",
+    "OperatorSubtaskState",
+    "RelativeFileStateHandle",
+    "SavepointFormatType",
+    "SnapshotType",
+    "StateIntegrityError",
+    "StateSizeExceededError",
+    "StreamClosedError",
+    "StreamStateHandle",
+    "UnsafePathError",
+    "UnsupportedFileSystemError",
+    "decode_path_from_reference",
+    "encode_path_as_reference",
+    "load_checkpoint_metadata",
+    "store_checkpoint_metadata",
+]

@@ -1,0 +1,493 @@
+"""CheckpointStorageAccess: one job's view of its checkpoint storage, as the coordinator (driver)
+and as the workers (executors) see it."""
+
+import logging
+import re
+import secrets
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from fsspec import AbstractFileSystem
+
+from checkpoint_storage._filesystems import (
+    METADATA_FILE_NAME,
+    EntropyInjector,
+    PathRoots,
+    canonical_url,
+    check_pointer,
+    join,
+    parent_and_name,
+    remove_entropy_marker,
+    roots_for_directory,
+    to_url,
+    url_to_fs,
+)
+from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
+from checkpoint_storage._ids import JobID
+from checkpoint_storage._locations import (
+    CheckpointStorageLocation,
+    CompletedCheckpointStorageLocation,
+    FileMetadataTarget,
+    MemoryMetadataTarget,
+    MetadataTarget,
+)
+from checkpoint_storage._references import (
+    CheckpointedStateScope,
+    CheckpointStorageLocationReference,
+    decode_path_from_reference,
+    encode_path_as_reference,
+)
+from checkpoint_storage._streams import (
+    CheckpointStateOutputStream,
+    CheckpointStreamFactory,
+    FsCheckpointStreamFactory,
+    MemCheckpointStreamFactory,
+)
+from checkpoint_storage.exceptions import (
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+    UnsafePathError,
+)
+
+__all__ = [
+    "CheckpointStateToolset",
+    "CheckpointStorageAccess",
+    "CheckpointStorageCoordinatorView",
+    "CheckpointStorageWorkerView",
+]
+
+logger = logging.getLogger("checkpoint_storage")
+
+_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
+_SAVEPOINT_ATTEMPTS = 10
+
+
+class CheckpointStorageCoordinatorView(ABC):
+    """What the coordinator (e.g. the Spark driver) does with checkpoint storage."""
+
+    @abstractmethod
+    def supports_highly_available_storage(self) -> bool: ...
+
+    @abstractmethod
+    def has_default_savepoint_location(self) -> bool: ...
+
+    @abstractmethod
+    def initialize_base_locations(self) -> None:
+        """Create the job's shared and task-owned directories."""
+
+    @abstractmethod
+    def initialize_location_for_checkpoint(self, checkpoint_id: int) -> CheckpointStorageLocation:
+        """Create ``chk-<id>`` and return its location (default reference)."""
+
+    @abstractmethod
+    def initialize_location_for_savepoint(
+        self, checkpoint_id: int, external_location_pointer: str | None = None
+    ) -> CheckpointStorageLocation:
+        """Create a fresh ``savepoint-<job[:6]>-<12 hex>`` directory below the target (or the
+        default savepoint directory) and return its location."""
+
+    @abstractmethod
+    def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation: ...
+
+    @abstractmethod
+    def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:
+        """The newest ``chk-<id>`` (by number) whose `_metadata` exists and validates."""
+
+
+class CheckpointStorageWorkerView(ABC):
+    """What workers (e.g. Spark executors) do with checkpoint storage. Nothing here creates or
+    checks directories: the coordinator made them."""
+
+    @abstractmethod
+    def resolve_checkpoint_storage_location(
+        self, checkpoint_id: int, reference: CheckpointStorageLocationReference
+    ) -> CheckpointStreamFactory: ...
+
+    @abstractmethod
+    def create_task_owned_state_stream(self) -> CheckpointStateOutputStream: ...
+
+    @abstractmethod
+    def create_task_owned_checkpoint_state_toolset(self) -> "CheckpointStateToolset": ...
+
+    def to_file_merging_storage(self, manager, *args, **kwargs) -> "CheckpointStorageWorkerView":
+        """The view that merges small files; this one, while file merging is off."""
+        return self
+
+
+class CheckpointStorageAccess(CheckpointStorageCoordinatorView, CheckpointStorageWorkerView):
+    """Both views of one job's checkpoint storage."""
+
+    job_id: JobID
+
+
+class CheckpointStateToolset(ABC):
+    """Copies state handles into task-owned storage (Flink's CheckpointStateToolset)."""
+
+    @abstractmethod
+    def can_fast_duplicate(self, handle: StreamStateHandle) -> bool: ...
+
+    @abstractmethod
+    def duplicate(self, handles: Iterable[StreamStateHandle]) -> list[StreamStateHandle]: ...
+
+
+def _checkpoint_id(checkpoint_id: object) -> int:
+    if checkpoint_id is None:
+        raise TypeError("checkpoint id must not be None")
+    if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int):
+        raise TypeError(f"checkpoint id must be an int, got {type(checkpoint_id).__name__}")
+    if not 0 <= checkpoint_id < 2**63:
+        raise ValueError(f"checkpoint id must be non-negative, got {checkpoint_id}")
+    return checkpoint_id
+
+
+def resolve_checkpoint_pointer(
+    pointer: str, storage_options: dict | None, entropy: EntropyInjector | None = None
+) -> CompletedCheckpointStorageLocation:
+    """A pointer (checkpoint dir, dir + '/', or its `_metadata`) to its completed location."""
+    pointer = check_pointer(pointer)
+    fs, path = url_to_fs(pointer, storage_options)
+    directory, name = parent_and_name(path)
+    if name == METADATA_FILE_NAME:
+        metadata_path = path
+    else:
+        directory, metadata_path = path, join(path, METADATA_FILE_NAME)
+    fs.invalidate_cache(directory)
+    try:
+        info = fs.info(metadata_path)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise _missing_checkpoint(fs, pointer, directory) from exc
+    if info.get("type") != "file":
+        raise CheckpointNotFoundError(
+            f"{pointer}: {metadata_path} is not a file; pass a completed checkpoint directory "
+            "(…/chk-<id>), a savepoint directory, or its _metadata file"
+        )
+    directory_url = to_url(fs, directory)
+    handle = FileStateHandle(to_url(fs, metadata_path), int(info["size"]), filesystem=fs)
+    return CompletedCheckpointStorageLocation(
+        directory_url, handle, filesystem=fs, roots=roots_for_directory(directory_url, entropy)
+    )
+
+
+def _missing_checkpoint(fs: AbstractFileSystem, pointer: str, directory: str) -> Exception:
+    try:
+        kind = fs.info(directory).get("type")
+    except (FileNotFoundError, NotADirectoryError):
+        return CheckpointNotFoundError(
+            f"no checkpoint at {pointer}: the path does not exist. Pass a completed checkpoint "
+            "directory (…/<job_id>/chk-<id>), a savepoint directory, or its _metadata file"
+        )
+    if kind == "file":
+        return CheckpointNotFoundError(
+            f"{pointer} is a file, not a checkpoint: pass the checkpoint directory or its "
+            "_metadata file"
+        )
+    return CheckpointNotFoundError(
+        f"{pointer} has no _metadata: the checkpoint was never completed or was disposed. "
+        "Pass a completed checkpoint (e.g. what latest_completed_checkpoint() returns)"
+    )
+
+
+class _DirectoryBasedAccess(CheckpointStorageAccess):
+    """What both storages share (Flink's AbstractFsCheckpointStorageAccess): savepoint
+    directories, pointer resolution, and discovery of the latest completed checkpoint."""
+
+    def __init__(
+        self,
+        job_id: JobID | str,
+        checkpoint_directory: str | None,
+        default_savepoint_directory: str | None,
+        storage_options: dict | None,
+        entropy: EntropyInjector | None = None,
+    ) -> None:
+        self.job_id = JobID.of(job_id)
+        self._job_directory = checkpoint_directory
+        self._default_savepoint_directory = default_savepoint_directory
+        self._storage_options = dict(storage_options or {})
+        self._entropy = entropy
+        self._fs_cache: AbstractFileSystem | None = None
+
+    @property
+    def checkpoints_directory(self) -> str | None:
+        """``<checkpoint_dir>/<job_id>``: where ``chk-<id>`` directories are found."""
+        return self._job_directory
+
+    @property
+    def _fs(self) -> AbstractFileSystem:
+        if self._fs_cache is None:
+            self._fs_cache = url_to_fs(self._job_directory, self._storage_options)[0]
+        return self._fs_cache
+
+    def _path(self, url: str) -> str:
+        return self._fs._strip_protocol(url)
+
+    def has_default_savepoint_location(self) -> bool:
+        return self._default_savepoint_directory is not None
+
+    @abstractmethod
+    def _savepoint_streams(
+        self, fs: AbstractFileSystem, directory: str
+    ) -> CheckpointStreamFactory: ...
+
+    def initialize_location_for_savepoint(
+        self, checkpoint_id: int, external_location_pointer: str | None = None
+    ) -> CheckpointStorageLocation:
+        _checkpoint_id(checkpoint_id)
+        if external_location_pointer is not None:
+            base = canonical_url(check_pointer(external_location_pointer), self._storage_options)
+        elif self._default_savepoint_directory is not None:
+            base = self._default_savepoint_directory
+        else:
+            raise ValueError(
+                "no savepoint location given and no default savepoint directory configured: "
+                "pass a target directory or configure savepoint_dir"
+            )
+        fs, base_path = url_to_fs(base, self._storage_options)
+        fs.makedirs(base_path, exist_ok=True)
+        prefix = f"savepoint-{self.job_id.hex[:6]}-"
+        last_error: Exception | None = None
+        for _ in range(_SAVEPOINT_ATTEMPTS):
+            path = join(base_path, prefix + secrets.token_hex(6))
+            try:
+                fs.mkdir(path, create_parents=False)
+            except FileExistsError as exc:
+                last_error = exc
+                continue
+            directory = to_url(fs, path)
+            return CheckpointStorageLocation(
+                self._savepoint_streams(fs, directory),
+                encode_path_as_reference(directory),
+                FileMetadataTarget(fs, directory, PathRoots((directory,))),
+            )
+        raise OSError(f"could not create a new savepoint directory below {base}") from last_error
+
+    def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
+        return resolve_checkpoint_pointer(pointer, self._storage_options, self._entropy)
+
+    def _checkpoint_ids(self) -> list[int]:
+        """The ids of the ``chk-<id>`` directories, newest first; [] if the job has none."""
+        path = self._path(self._job_directory)
+        self._fs.invalidate_cache(path)
+        try:
+            entries = self._fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        names = (parent_and_name(entry)[1] for entry in entries)
+        return sorted(
+            (int(m.group(1)) for n in names if (m := _CHK_DIR.fullmatch(n))), reverse=True
+        )
+
+    def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:
+        for checkpoint_id in self._checkpoint_ids():
+            directory = join(self._job_directory, f"chk-{checkpoint_id}")
+            try:
+                completed = self.resolve_checkpoint(directory)
+                completed.load_metadata()
+            except CheckpointNotFoundError:
+                continue
+            except (InvalidCheckpointError, UnsafePathError) as exc:
+                logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
+                continue
+            return completed
+        return None
+
+
+def _job_directories(base: str, job_id: JobID, create_subdir: bool) -> str:
+    return join(base, job_id.hex) if create_subdir else base
+
+
+class FsCheckpointStorageAccess(_DirectoryBasedAccess):
+    """Checkpoint storage on a filesystem (Flink's FsCheckpointStorageAccess)."""
+
+    def __init__(self, storage, job_id: JobID | str) -> None:
+        job_id = JobID.of(job_id)
+        template = _job_directories(
+            storage.checkpoint_directory, job_id, storage.create_checkpoint_subdir
+        )
+        key = storage.entropy_injection_key
+        entropy = None
+        job_directory = template
+        if key and key in template:
+            entropy = EntropyInjector(key, storage.entropy_length, template)
+            job_directory = remove_entropy_marker(template, key)
+        super().__init__(
+            job_id, job_directory, storage.savepoint_directory, storage.storage_options, entropy
+        )
+        self._storage = storage
+        self._threshold = storage.file_state_size_threshold
+        self._buffer_size = storage.write_buffer_size
+
+    def __reduce__(self):
+        return (FsCheckpointStorageAccess, (self._storage, self.job_id))
+
+    @property
+    def shared_state_directory(self) -> str:
+        return join(self._job_directory, "shared")
+
+    @property
+    def task_owned_state_directory(self) -> str:
+        return join(self._job_directory, "taskowned")
+
+    def supports_highly_available_storage(self) -> bool:
+        return True
+
+    def initialize_base_locations(self) -> None:
+        for directory in (self.shared_state_directory, self.task_owned_state_directory):
+            self._fs.makedirs(self._path(directory), exist_ok=True)
+
+    def _streams(self, exclusive_dir: str) -> FsCheckpointStreamFactory:
+        return FsCheckpointStreamFactory(
+            self._fs,
+            exclusive_dir,
+            self.shared_state_directory,
+            threshold=self._threshold,
+            buffer_size=self._buffer_size,
+            entropy=self._entropy,
+        )
+
+    def initialize_location_for_checkpoint(self, checkpoint_id: int) -> CheckpointStorageLocation:
+        directory = join(self._job_directory, f"chk-{_checkpoint_id(checkpoint_id)}")
+        self._fs.makedirs(self._path(directory), exist_ok=True)
+        target = FileMetadataTarget(
+            self._fs, directory, roots_for_directory(directory, self._entropy)
+        )
+        return CheckpointStorageLocation(
+            self._streams(directory), CheckpointStorageLocationReference.get_default(), target
+        )
+
+    def _savepoint_streams(self, fs: AbstractFileSystem, directory: str) -> CheckpointStreamFactory:
+        # Every scope lands in the savepoint's own directory, recorded relative to it.
+        return FsCheckpointStreamFactory(
+            fs,
+            directory,
+            directory,
+            threshold=self._threshold,
+            buffer_size=self._buffer_size,
+            relative_shared=True,
+        )
+
+    def resolve_checkpoint_storage_location(
+        self, checkpoint_id: int, reference: CheckpointStorageLocationReference
+    ) -> CheckpointStreamFactory:
+        if reference is None:
+            raise TypeError("reference must not be None")
+        if reference.is_default_reference():
+            return self._streams(join(self._job_directory, f"chk-{_checkpoint_id(checkpoint_id)}"))
+        pointer = check_pointer(decode_path_from_reference(reference))
+        fs, path = url_to_fs(pointer, self._storage_options)
+        return self._savepoint_streams(fs, to_url(fs, path))
+
+    def create_task_owned_state_stream(self) -> CheckpointStateOutputStream:
+        return self._streams(self.task_owned_state_directory).create_task_owned_state_stream(
+            self.task_owned_state_directory
+        )
+
+    def create_task_owned_checkpoint_state_toolset(self) -> CheckpointStateToolset:
+        return FsCheckpointStateToolset(self._fs, self.task_owned_state_directory)
+
+
+class FsCheckpointStateToolset(CheckpointStateToolset):
+    """Duplicates file handles into the task-owned directory, server-side where the
+    filesystem can copy; inline handles need no copy."""
+
+    def __init__(self, fs: AbstractFileSystem, directory: str) -> None:
+        self._fs = fs
+        self._directory = directory
+
+    def can_fast_duplicate(self, handle: StreamStateHandle) -> bool:
+        return isinstance(handle, FileStateHandle) and handle.filesystem is self._fs
+
+    def duplicate(self, handles: Iterable[StreamStateHandle]) -> list[StreamStateHandle]:
+        return [self._duplicate(handle) for handle in handles]
+
+    def _duplicate(self, handle: StreamStateHandle) -> StreamStateHandle:
+        if not isinstance(handle, FileStateHandle):
+            return handle
+        target = join(self._directory, uuid.uuid4().hex)
+        target_path = self._fs._strip_protocol(target)
+        if self.can_fast_duplicate(handle):
+            self._fs.copy(self._fs._strip_protocol(handle.path), target_path)
+        else:
+            with handle.open() as source, self._fs.open(target_path, "wb") as out:
+                while chunk := source.read(1 << 20):
+                    out.write(chunk)
+        return FileStateHandle(target, handle.state_size, handle.checksum, filesystem=self._fs)
+
+
+class MemoryCheckpointStorageAccess(_DirectoryBasedAccess):
+    """State kept inline (Flink's MemoryBackendCheckpointStorageAccess): `_metadata` goes to
+    ``chk-<id>/`` when a checkpoint directory is configured, else stays in this process."""
+
+    def __init__(self, storage, job_id: JobID | str) -> None:
+        job_id = JobID.of(job_id)
+        directory = storage.checkpoint_directory
+        super().__init__(
+            job_id,
+            None if directory is None else join(directory, job_id.hex),
+            storage.savepoint_directory,
+            None,
+        )
+        self._max_state_size = storage.max_state_size
+        self._in_memory: dict[int, CompletedCheckpointStorageLocation] = {}
+        self._lock = threading.Lock()
+
+    shared_state_directory = None
+    task_owned_state_directory = None
+
+    def supports_highly_available_storage(self) -> bool:
+        return self._job_directory is not None
+
+    def initialize_base_locations(self) -> None:
+        if self._job_directory is not None:
+            self._fs.makedirs(self._path(self._job_directory), exist_ok=True)
+
+    def _memory_streams(self) -> MemCheckpointStreamFactory:
+        return MemCheckpointStreamFactory(self._max_state_size)
+
+    def initialize_location_for_checkpoint(self, checkpoint_id: int) -> CheckpointStorageLocation:
+        checkpoint_id = _checkpoint_id(checkpoint_id)
+        target: MetadataTarget
+        if self._job_directory is None:
+            target = MemoryMetadataTarget(self._in_memory, checkpoint_id)
+        else:
+            directory = join(self._job_directory, f"chk-{checkpoint_id}")
+            self._fs.makedirs(self._path(directory), exist_ok=True)
+            target = FileMetadataTarget(self._fs, directory, roots_for_directory(directory))
+        return CheckpointStorageLocation(
+            self._memory_streams(), CheckpointStorageLocationReference.get_default(), target
+        )
+
+    def _savepoint_streams(self, fs: AbstractFileSystem, directory: str) -> CheckpointStreamFactory:
+        return self._memory_streams()
+
+    def resolve_checkpoint_storage_location(
+        self, checkpoint_id: int, reference: CheckpointStorageLocationReference
+    ) -> CheckpointStreamFactory:
+        if reference is None:
+            raise TypeError("reference must not be None")
+        return self._memory_streams()
+
+    def create_task_owned_state_stream(self) -> CheckpointStateOutputStream:
+        return self._memory_streams().create_checkpoint_state_output_stream(
+            CheckpointedStateScope.EXCLUSIVE
+        )
+
+    def create_task_owned_checkpoint_state_toolset(self) -> CheckpointStateToolset:
+        return _InlineStateToolset()
+
+    def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:
+        if self._job_directory is not None:
+            return super().latest_completed_checkpoint()
+        with self._lock:
+            return self._in_memory[max(self._in_memory)] if self._in_memory else None
+
+
+class _InlineStateToolset(CheckpointStateToolset):
+    """Inline state needs no copy: duplicates are the handles themselves."""
+
+    def can_fast_duplicate(self, handle: StreamStateHandle) -> bool:
+        return False
+
+    def duplicate(self, handles: Iterable[StreamStateHandle]) -> list[StreamStateHandle]:
+        return list(handles)

@@ -1,0 +1,396 @@
+"""Filesystem plumbing: URLs, root checks, entropy, and publishing `_metadata` atomically.
+
+Paths travel through the library as canonical URL strings: a plain absolute path for local
+disk (``/data/cp/...``) and ``protocol://path`` for everything else (``s3://bucket/cp/...``,
+``memory:///cp/...``). One canonical form per location is what lets a checkpoint have one
+external pointer whichever call produced it, and what makes root checks a prefix comparison.
+"""
+
+import contextlib
+import logging
+import os
+import posixpath
+import re
+import secrets
+import string
+import threading
+import uuid
+
+import fsspec
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from checkpoint_storage.exceptions import (
+    CheckpointAlreadyExistsError,
+    CheckpointCommitFailedError,
+    CommitStateUnknownError,
+    UnsafePathError,
+    UnsupportedFileSystemError,
+)
+
+logger = logging.getLogger("checkpoint_storage")
+
+METADATA_FILE_NAME = "_metadata"
+_ENTROPY_ALPHABET = string.ascii_letters + string.digits
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_url_text(url: object, what: str) -> str:
+    if url is None:
+        raise TypeError(f"{what} must not be None")
+    if not isinstance(url, str):
+        raise TypeError(f"{what} must be a string, got {type(url).__name__}")
+    if not url.strip():
+        raise ValueError(f"{what} must not be empty")
+    if _CONTROL_CHARS.search(url):
+        raise ValueError(f"{what} contains control characters: {url!r}")
+    return url
+
+
+def url_to_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:
+    """The filesystem and the stripped path of a URL or local path, without any I/O."""
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if isinstance(fs, LocalFileSystem):
+        path = posixpath.normpath(path)
+    elif len(path) > 1:
+        path = path.rstrip("/")
+    return fs, path
+
+
+def to_url(fs: AbstractFileSystem, path: str) -> str:
+    """The canonical URL of a stripped path on ``fs``."""
+    if isinstance(fs, LocalFileSystem):
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def canonical_url(url: str, storage_options: dict | None = None) -> str:
+    """A configured directory (trusted input) in canonical form."""
+    fs, path = url_to_fs(_check_url_text(url, "directory"), storage_options)
+    return to_url(fs, path)
+
+
+def join(url: str, *names: str) -> str:
+    return "/".join((url.rstrip("/"), *names))
+
+
+def parent_and_name(url: str) -> tuple[str, str]:
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def check_pointer(pointer: object) -> str:
+    """Reject pointers that could walk out of where they name, before any I/O."""
+    pointer = _check_url_text(pointer, "checkpoint pointer")
+    _, _, path = pointer.partition("://") if "://" in pointer else ("", "", pointer)
+    if any(segment in (".", "..") for segment in path.split("/")):
+        raise UnsafePathError(
+            f"checkpoint pointer {pointer!r} contains '.' or '..' segments; "
+            "pass the checkpoint directory as an absolute path or URL"
+        )
+    return pointer
+
+
+# --- root checks -------------------------------------------------------------------------
+
+
+def check_relative_path(relative_path: str) -> str:
+    """A relative handle path must name a file strictly below its directory."""
+    if (
+        not isinstance(relative_path, str)
+        or not relative_path
+        or relative_path.startswith("/")
+        or "\\" in relative_path
+        or "://" in relative_path
+        or _CONTROL_CHARS.search(relative_path)
+        or any(seg in ("", ".", "..") for seg in relative_path.split("/"))
+    ):
+        raise UnsafePathError(
+            f"relative state path {relative_path!r} leaves its checkpoint directory: "
+            "the _metadata was not written by this library or was tampered with"
+        )
+    return relative_path
+
+
+class PathRoots:
+    """The directories that state paths read from storage must stay within.
+
+    ``roots`` are canonical directory URLs; ``patterns`` are regular expressions of
+    entropy-injected directories. A path passes when it lies strictly below one of them and
+    has no ``.``, ``..`` or empty segment.
+    """
+
+    __slots__ = ("roots", "patterns")
+
+    def __init__(self, roots: tuple[str, ...], patterns: tuple[str, ...] = ()) -> None:
+        self.roots = tuple(r.rstrip("/") for r in roots)
+        self.patterns = tuple(patterns)
+
+    def __getstate__(self):
+        return (self.roots, self.patterns)
+
+    def __setstate__(self, state) -> None:
+        self.roots, self.patterns = state
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PathRoots) and (self.roots, self.patterns) == (
+            other.roots,
+            other.patterns,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.roots, self.patterns))
+
+    def check(self, url: str) -> str:
+        if not isinstance(url, str) or _CONTROL_CHARS.search(url) or "\\" in url:
+            raise UnsafePathError(f"state path {url!r} is not a valid path")
+        for root in self.roots:
+            if url.startswith(root + "/") and _clean_tail(url[len(root) + 1 :]):
+                return url
+        for pattern in self.patterns:
+            match = re.match(pattern, url)
+            if match and _clean_tail(url[match.end() :]):
+                return url
+        raise UnsafePathError(
+            f"state path {url!r} lies outside the checkpoint's directories "
+            f"{list(self.roots)}: the _metadata was not written for this location or was "
+            "tampered with; refusing to read or delete it"
+        )
+
+
+def _clean_tail(tail: str) -> bool:
+    return bool(tail) and all(seg not in ("", ".", "..") for seg in tail.split("/"))
+
+
+_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
+
+
+def roots_for_directory(directory_url: str, entropy: "EntropyInjector | None" = None) -> PathRoots:
+    """Roots of a completed checkpoint or savepoint directory (DESIGN §3.3).
+
+    A ``chk-<id>`` directory may reference its job's ``shared/`` and ``taskowned/`` siblings
+    (and their entropy-injected forms); any other directory (a savepoint) only itself.
+    """
+    parent, name = parent_and_name(directory_url)
+    if not _CHK_DIR.fullmatch(name):
+        return PathRoots((directory_url,))
+    dirs = (directory_url, join(parent, "shared"), join(parent, "taskowned"))
+    patterns: tuple[str, ...] = ()
+    if entropy is not None:
+        patterns = tuple(p for d in dirs if (p := entropy.directory_pattern(d)) is not None)
+    return PathRoots(dirs, patterns)
+
+
+# --- entropy injection -------------------------------------------------------------------
+
+
+class EntropyInjector:
+    """Flink's entropy injection: spread data files over object-store key prefixes.
+
+    ``template`` is the configured checkpoint directory containing ``key``. Data files replace
+    the key by random characters; `_metadata` and pointers drop the key and its separator.
+    """
+
+    __slots__ = ("key", "length", "template", "plain")
+
+    def __init__(self, key: str, length: int, template: str) -> None:
+        self.key, self.length, self.template = key, length, template
+        self.plain = remove_entropy_marker(template, key)
+
+    def __getstate__(self):
+        return (self.key, self.length, self.template)
+
+    def __setstate__(self, state) -> None:
+        self.__init__(*state)
+
+    def inject(self, plain_directory: str) -> str:
+        """A data directory for ``plain_directory`` (below the plain base) with fresh entropy."""
+        rest = plain_directory[len(self.plain) :]
+        entropy = "".join(secrets.choice(_ENTROPY_ALPHABET) for _ in range(self.length))
+        return self.template.replace(self.key, entropy, 1) + rest
+
+    def directory_pattern(self, plain_directory: str) -> str | None:
+        """A regex matching every entropy-injected form of ``plain_directory`` (plus '/')."""
+        if not plain_directory.startswith(self.plain):
+            return None
+        head, _, tail = self.template.partition(self.key)
+        rest = plain_directory[len(self.plain) :]
+        return re.escape(head) + f"[A-Za-z0-9]{{{self.length}}}" + re.escape(tail + rest) + "/"
+
+
+def remove_entropy_marker(url: str, key: str) -> str:
+    """``s3://b/_entropy_/cp`` -> ``s3://b/cp``: the key goes together with one separator."""
+    if key + "/" in url:
+        return url.replace(key + "/", "", 1)
+    if url.endswith("/" + key):
+        return url[: -len(key) - 1]
+    return url.replace(key, "", 1)
+
+
+# --- writing and aborting files ----------------------------------------------------------
+
+
+def abort_file(fs: AbstractFileSystem, handle, path: str) -> None:
+    """Throw away a partly written file; never raises.
+
+    fsspec commits buffered files on ``close()`` and even on garbage collection, so the
+    upload is discarded and the file object marked closed before the path is deleted.
+    """
+    try:
+        if isinstance(handle, AbstractBufferedFile):
+            handle.discard()  # S3: aborts a multipart upload; others: no-op
+            handle.closed = True
+        else:
+            handle.close()
+    except Exception:  # noqa: BLE001 - aborting must not mask the original failure
+        logger.warning("could not discard partial state file %s", path, exc_info=True)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except Exception:  # noqa: BLE001
+        logger.warning("could not delete partial state file %s", path, exc_info=True)
+
+
+def delete_recursively(fs: AbstractFileSystem, path: str) -> None:
+    """Delete a directory tree; a missing one is already deleted."""
+    try:
+        fs.rm(path, recursive=True)
+    except FileNotFoundError:
+        pass
+    finally:
+        fs.invalidate_cache(path)
+
+
+# --- put-if-absent -----------------------------------------------------------------------
+
+_MEMORY_LOCK = threading.Lock()
+
+
+def put_if_absent(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    """Publish ``data`` at ``path`` only if nothing is there yet, atomically.
+
+    Raises ``CheckpointAlreadyExistsError`` when the path exists,
+    ``CheckpointCommitFailedError`` when nothing was published, and
+    ``CommitStateUnknownError`` when the outcome could not be determined.
+    """
+    url = to_url(fs, path)
+    if isinstance(fs, LocalFileSystem):
+        _put_if_absent_local(path, data)
+    elif isinstance(fs, MemoryFileSystem):
+        with _MEMORY_LOCK:
+            if path in fs.store:
+                raise CheckpointAlreadyExistsError(f"{url} already exists")
+            fs.pipe_file(path, data)
+    elif "s3" in _protocols(fs):
+        _put_if_absent_remote(fs, path, data, url, lambda: fs.pipe_file(path, data, mode="create"))
+    else:
+        _put_if_absent_remote(fs, path, data, url, lambda: _write_exclusive(fs, path, data, url))
+
+
+def _protocols(fs: AbstractFileSystem) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _write_exclusive(fs: AbstractFileSystem, path: str, data: bytes, url: str) -> None:
+    try:
+        f = fs.open(path, "xb")
+    except (ValueError, NotImplementedError, TypeError) as exc:
+        raise UnsupportedFileSystemError(
+            f"{type(fs).__name__} cannot create {url} exclusively (mode 'xb'), so a completed "
+            "checkpoint could be overwritten; use local disk, S3, GCS or memory storage"
+        ) from exc
+    f.write(data)
+    f.close()
+
+
+def _put_if_absent_remote(fs, path: str, data: bytes, url: str, put) -> None:
+    try:
+        put()
+        return
+    except (FileExistsError, UnsupportedFileSystemError) as exc:
+        if isinstance(exc, FileExistsError):
+            raise CheckpointAlreadyExistsError(
+                f"{url} already exists: another writer completed this checkpoint"
+            ) from exc
+        raise
+    except PermissionError as exc:
+        raise CheckpointCommitFailedError(
+            f"not allowed to write {url}: check the credentials and bucket policy"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - the request may have been applied: read back
+        failure = exc
+    _resolve_unknown_commit(fs, path, data, url, failure)
+
+
+def _resolve_unknown_commit(fs, path: str, data: bytes, url: str, failure: Exception) -> None:
+    """The PUT failed in a way that may still have stored it: read the object back."""
+    fs.invalidate_cache(path)
+    try:
+        stored = fs.cat_file(path)
+    except FileNotFoundError:
+        raise CheckpointCommitFailedError(
+            f"publishing {url} failed ({failure}); nothing was published, retrying is safe"
+        ) from failure
+    except Exception as exc:  # noqa: BLE001
+        raise CommitStateUnknownError(
+            f"publishing {url} failed ({failure}) and reading it back failed too ({exc}); "
+            "the checkpoint may or may not be complete: resolve it before retrying"
+        ) from failure
+    if stored != data:
+        raise CheckpointAlreadyExistsError(
+            f"{url} already exists with other content: another writer completed this checkpoint"
+        ) from failure
+    logger.info("commit of %s reported %r but the object is ours: committed", url, failure)
+
+
+def _put_if_absent_local(path: str, data: bytes) -> None:
+    directory, name = os.path.split(path)
+    temp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.inprogress")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(temp, path)  # fails if the target exists: put-if-absent
+    except FileExistsError as exc:
+        raise CheckpointAlreadyExistsError(
+            f"{path} already exists: another writer completed this checkpoint"
+        ) from exc
+    except OSError as exc:
+        raise CheckpointCommitFailedError(
+            f"could not publish {path}: {exc.strerror or exc}. Nothing was published; "
+            "free space or fix permissions, then retry the checkpoint"
+        ) from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise CommitStateUnknownError(
+            f"{path} was linked but its directory could not be synced ({exc}): it may not "
+            "survive a crash of this machine"
+        ) from exc
+
+
+def read_bounded(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
+    """Read a whole file of at most ``limit`` bytes; a larger one is refused unread."""
+    with fs.open(path, "rb") as f:
+        data = f.read(limit + 1)
+    return data

@@ -1,0 +1,287 @@
+"""State handles: what a state stream returns and `_metadata` records."""
+
+import contextlib
+import io
+import zlib
+from abc import ABC, abstractmethod
+from typing import BinaryIO
+
+from fsspec import AbstractFileSystem
+
+from checkpoint_storage._filesystems import parent_and_name, url_to_fs
+from checkpoint_storage.exceptions import StateIntegrityError
+
+__all__ = [
+    "ByteStreamStateHandle",
+    "FileStateHandle",
+    "RelativeFileStateHandle",
+    "StreamStateHandle",
+]
+
+_VERIFY_CHUNK = 1 << 20
+
+
+class StreamStateHandle(ABC):
+    """A piece of state that can be read back as a byte stream.
+
+    Implementations provide ``state_size``, ``open()`` and ``discard_state()``.
+    """
+
+    __slots__ = ()
+
+    @property
+    @abstractmethod
+    def state_size(self) -> int: ...
+
+    @abstractmethod
+    def open(self) -> BinaryIO:
+        """A binary reader of the state; file handles verify size and checksum as it reads."""
+
+    @abstractmethod
+    def discard_state(self) -> None:
+        """Delete the state's storage; idempotent."""
+
+
+class ByteStreamStateHandle(StreamStateHandle):
+    """State small enough to be kept inline, in `_metadata` itself."""
+
+    __slots__ = ("handle_name", "data")
+
+    def __init__(self, handle_name: str, data: bytes) -> None:
+        if handle_name is None or data is None:
+            raise TypeError("handle_name and data must not be None")
+        self.handle_name = handle_name
+        self.data = bytes(data)
+
+    @property
+    def state_size(self) -> int:
+        return len(self.data)
+
+    def open(self) -> BinaryIO:
+        return io.BytesIO(self.data)
+
+    def discard_state(self) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        # As in Flink: identity is the name, the bytes are the payload.
+        if not isinstance(other, ByteStreamStateHandle):
+            return NotImplemented
+        return self.handle_name == other.handle_name
+
+    def __hash__(self) -> int:
+        return hash(self.handle_name)
+
+    def __repr__(self) -> str:
+        return f"ByteStreamStateHandle({self.handle_name!r}, {len(self.data)} bytes)"
+
+    def __reduce__(self):
+        return (ByteStreamStateHandle, (self.handle_name, self.data))
+
+
+class FileStateHandle(StreamStateHandle):
+    """State in a file, addressed by its absolute URL.
+
+    ``checksum`` is the CRC-32 of the file's bytes; reading through ``open()`` fails with
+    ``StateIntegrityError`` when the file's size or checksum differ. ``filesystem`` is the
+    fsspec filesystem to read it with (resolved from the URL when not given).
+    """
+
+    __slots__ = ("path", "_state_size", "checksum", "_filesystem")
+
+    def __init__(
+        self,
+        path: str,
+        state_size: int,
+        checksum: int | None = None,
+        *,
+        filesystem: AbstractFileSystem | None = None,
+    ) -> None:
+        if path is None:
+            raise TypeError("path must not be None")
+        if not isinstance(state_size, int) or state_size < 0:
+            raise ValueError(f"state_size must be a non-negative int, got {state_size!r}")
+        if checksum is not None and not (0 <= checksum <= 0xFFFFFFFF):
+            raise ValueError(f"checksum must be an unsigned 32-bit int, got {checksum!r}")
+        self.path = path
+        self._state_size = state_size
+        self.checksum = checksum
+        self._filesystem = filesystem
+
+    @property
+    def state_size(self) -> int:
+        return self._state_size
+
+    @property
+    def filesystem(self) -> AbstractFileSystem:
+        if self._filesystem is None:
+            self._filesystem = url_to_fs(self.path)[0]
+        return self._filesystem
+
+    def _fs_path(self) -> str:
+        return self.filesystem._strip_protocol(self.path)
+
+    def open(self) -> BinaryIO:
+        raw = self.filesystem.open(self._fs_path(), "rb")
+        return _VerifyingReader(raw, self.path, self._state_size, self.checksum)
+
+    def discard_state(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filesystem.rm_file(self._fs_path())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileStateHandle):
+            return NotImplemented
+        return self.path == other.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.path!r}, {self._state_size} bytes)"
+
+    def __reduce__(self):
+        return (_rebuild_file_handle, (type(self), self._init_args(), self._filesystem))
+
+    def _init_args(self) -> tuple:
+        return (self.path, self._state_size, self.checksum)
+
+
+class RelativeFileStateHandle(FileStateHandle):
+    """A file handle recorded relative to its checkpoint directory, so that the directory
+    (a savepoint) can be moved and still restores."""
+
+    __slots__ = ("relative_path",)
+
+    def __init__(
+        self,
+        path: str,
+        relative_path: str,
+        state_size: int,
+        checksum: int | None = None,
+        *,
+        filesystem: AbstractFileSystem | None = None,
+    ) -> None:
+        super().__init__(path, state_size, checksum, filesystem=filesystem)
+        if relative_path is None:
+            raise TypeError("relative_path must not be None")
+        self.relative_path = relative_path
+
+    @property
+    def directory(self) -> str:
+        return parent_and_name(self.path)[0]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RelativeFileStateHandle):
+            return NotImplemented
+        return (self.path, self.relative_path) == (other.path, other.relative_path)
+
+    def __hash__(self) -> int:
+        return hash((self.path, self.relative_path))
+
+    def _init_args(self) -> tuple:
+        return (self.path, self.relative_path, self._state_size, self.checksum)
+
+
+def _rebuild_file_handle(cls, args, filesystem):
+    return cls(*args, filesystem=filesystem)
+
+
+class _VerifyingReader(io.RawIOBase):
+    """Reads a state file and fails unless its size and CRC-32 match the handle's.
+
+    The size is checked on open; the checksum once the reader reaches the end sequentially.
+    A seek away from the sequential position verifies the rest of the file first, so random
+    access (e.g. Parquet footers) is verified too.
+    """
+
+    def __init__(self, raw, url: str, size: int, checksum: int | None) -> None:
+        super().__init__()
+        self._raw, self._url, self._size, self._expected = raw, url, size, checksum
+        self._pos = 0
+        self._verified_upto = 0
+        self._crc = 0
+        actual = _file_size(raw)
+        if actual != size:
+            raw.close()
+            raise StateIntegrityError(
+                f"state file {url} has {actual} bytes, its handle records {size}: the file "
+                "was truncated or replaced; restore from another checkpoint"
+            )
+        if checksum is None:
+            self._verified_upto = size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        data = self._raw.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self._advance(data)
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._raw.read(size if size is not None and size >= 0 else -1)
+        self._advance(data)
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def _advance(self, data: bytes) -> None:
+        if self._pos == self._verified_upto and self._verified_upto < self._size:
+            self._crc = zlib.crc32(data, self._crc)
+            self._verified_upto += len(data)
+            self._check_if_complete()
+        self._pos += len(data)
+
+    def _check_if_complete(self) -> None:
+        if self._verified_upto >= self._size and self._crc != self._expected:
+            raise StateIntegrityError(
+                f"state file {self._url} does not match the checksum its handle records: "
+                "the file is corrupt; restore from another checkpoint"
+            )
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {
+            io.SEEK_SET: offset,
+            io.SEEK_CUR: self._pos + offset,
+            io.SEEK_END: self._size + offset,
+        }[whence]
+        if target != self._verified_upto and self._verified_upto < self._size:
+            self._verify_rest()
+        self._pos = self._raw.seek(target)
+        return self._pos
+
+    def _verify_rest(self) -> None:
+        self._raw.seek(self._verified_upto)
+        while self._verified_upto < self._size:
+            chunk = self._raw.read(min(_VERIFY_CHUNK, self._size - self._verified_upto))
+            if not chunk:
+                break
+            self._crc = zlib.crc32(chunk, self._crc)
+            self._verified_upto += len(chunk)
+        self._verified_upto = self._size
+        self._check_if_complete()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
+
+
+def _file_size(raw) -> int:
+    size = getattr(raw, "size", None)
+    if isinstance(size, int):
+        return size
+    position = raw.tell()
+    end = raw.seek(0, io.SEEK_END)
+    raw.seek(position)
+    return end

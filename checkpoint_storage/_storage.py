@@ -1,0 +1,177 @@
+"""CheckpointStorage: the configuration a job's checkpoint storage is created from.
+
+Both storages are small picklable value objects: they are shipped to Spark executors, which
+call ``create_checkpoint_storage(job_id)`` there. They hold configuration, never open
+filesystems.
+"""
+
+from abc import ABC, abstractmethod
+
+from fsspec.core import split_protocol
+
+from checkpoint_storage._access import (
+    CheckpointStorageAccess,
+    FsCheckpointStorageAccess,
+    MemoryCheckpointStorageAccess,
+    resolve_checkpoint_pointer,
+)
+from checkpoint_storage._filesystems import canonical_url
+from checkpoint_storage._ids import JobID
+from checkpoint_storage._locations import CompletedCheckpointStorageLocation
+
+__all__ = ["CheckpointStorage", "FileSystemCheckpointStorage", "MemoryCheckpointStorage"]
+
+MAX_FILE_STATE_THRESHOLD = 1024 * 1024
+DEFAULT_FILE_STATE_THRESHOLD = 20 * 1024
+DEFAULT_WRITE_BUFFER_SIZE = 4096
+DEFAULT_MAX_MEMORY_STATE_SIZE = 5 * 1024 * 1024
+
+
+class CheckpointStorage(ABC):
+    """Creates each job's storage access and resolves checkpoint pointers."""
+
+    @abstractmethod
+    def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess: ...
+
+    @abstractmethod
+    def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation: ...
+
+
+def _optional_directory(url: str | None, storage_options: dict | None) -> str | None:
+    return None if url is None else canonical_url(url, storage_options)
+
+
+class FileSystemCheckpointStorage(CheckpointStorage):
+    """Checkpoints in a directory of any fsspec filesystem (Flink's
+    FileSystemCheckpointStorage): state files above ``file_state_size_threshold`` bytes,
+    inline state below it.
+
+    ``storage_options`` are passed to fsspec (e.g. ``endpoint_url``); keep credentials in the
+    environment, since this object travels to executors.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        savepoint_dir: str | None = None,
+        *,
+        file_state_size_threshold: int = DEFAULT_FILE_STATE_THRESHOLD,
+        write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE,
+        create_checkpoint_subdir: bool = True,
+        storage_options: dict | None = None,
+        entropy_injection_key: str | None = None,
+        entropy_length: int = 4,
+    ) -> None:
+        if checkpoint_dir is None:
+            raise TypeError("checkpoint_dir must not be None")
+        if not isinstance(file_state_size_threshold, int) or not (
+            0 <= file_state_size_threshold <= MAX_FILE_STATE_THRESHOLD
+        ):
+            raise ValueError(
+                "file_state_size_threshold must be between 0 and "
+                f"{MAX_FILE_STATE_THRESHOLD} bytes, got {file_state_size_threshold!r}"
+            )
+        if not isinstance(write_buffer_size, int) or write_buffer_size < 0:
+            raise ValueError(f"write_buffer_size must be >= 0, got {write_buffer_size!r}")
+        self.storage_options = dict(storage_options or {})
+        self.checkpoint_directory = canonical_url(checkpoint_dir, self.storage_options)
+        self.savepoint_directory = _optional_directory(savepoint_dir, self.storage_options)
+        self.file_state_size_threshold = file_state_size_threshold
+        self.write_buffer_size = max(write_buffer_size, file_state_size_threshold)
+        self.create_checkpoint_subdir = bool(create_checkpoint_subdir)
+        if entropy_injection_key is not None:
+            if (
+                not isinstance(entropy_injection_key, str)
+                or not entropy_injection_key.strip("/")
+                or "/" in entropy_injection_key
+            ):
+                raise ValueError(
+                    f"entropy_injection_key must be a path segment, got {entropy_injection_key!r}"
+                )
+            if not isinstance(entropy_length, int) or entropy_length < 1:
+                raise ValueError(f"entropy_length must be >= 1, got {entropy_length!r}")
+            if split_protocol(checkpoint_dir)[0] in (None, "file", "local"):
+                raise ValueError(
+                    "entropy injection spreads keys over object-store prefixes; local "
+                    "directories do not need it: remove entropy_injection_key"
+                )
+        self.entropy_injection_key = entropy_injection_key
+        self.entropy_length = entropy_length
+
+    def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
+        return FsCheckpointStorageAccess(self, job_id)
+
+    def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
+        return resolve_checkpoint_pointer(pointer, self.storage_options)
+
+    def _key(self) -> tuple:
+        return (
+            self.checkpoint_directory,
+            self.savepoint_directory,
+            self.file_state_size_threshold,
+            self.write_buffer_size,
+            self.create_checkpoint_subdir,
+            sorted(self.storage_options.items()),
+            self.entropy_injection_key,
+            self.entropy_length,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FileSystemCheckpointStorage):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self.checkpoint_directory)
+
+    def __repr__(self) -> str:
+        # Option values may hold endpoints or tokens: names only.
+        return (
+            f"FileSystemCheckpointStorage(checkpoint_dir={self.checkpoint_directory!r}, "
+            f"savepoint_dir={self.savepoint_directory!r}, "
+            f"file_state_size_threshold={self.file_state_size_threshold}, "
+            f"storage_options=<{', '.join(sorted(self.storage_options))}>)"
+        )
+
+
+class MemoryCheckpointStorage(CheckpointStorage):
+    """Flink's JobManagerCheckpointStorage: all state inline, at most ``max_state_size`` bytes
+    per state. With ``checkpoint_dir``, `_metadata` is persisted to ``chk-<id>/``; without it,
+    completed checkpoints live in the access object of this process only."""
+
+    def __init__(
+        self,
+        checkpoint_dir: str | None = None,
+        savepoint_dir: str | None = None,
+        *,
+        max_state_size: int = DEFAULT_MAX_MEMORY_STATE_SIZE,
+    ) -> None:
+        if not isinstance(max_state_size, int) or max_state_size <= 0:
+            raise ValueError(f"max_state_size must be > 0, got {max_state_size!r}")
+        self.checkpoint_directory = _optional_directory(checkpoint_dir, None)
+        self.savepoint_directory = _optional_directory(savepoint_dir, None)
+        self.max_state_size = max_state_size
+
+    def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
+        return MemoryCheckpointStorageAccess(self, job_id)
+
+    def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
+        return resolve_checkpoint_pointer(pointer, None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MemoryCheckpointStorage):
+            return NotImplemented
+        return (self.checkpoint_directory, self.savepoint_directory, self.max_state_size) == (
+            other.checkpoint_directory,
+            other.savepoint_directory,
+            other.max_state_size,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.checkpoint_directory, self.max_state_size))
+
+    def __repr__(self) -> str:
+        return (
+            f"MemoryCheckpointStorage(checkpoint_dir={self.checkpoint_directory!r}, "
+            f"savepoint_dir={self.savepoint_directory!r}, max_state_size={self.max_state_size})"
+        )

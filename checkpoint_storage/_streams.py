@@ -1,0 +1,308 @@
+"""State output streams and the factories that create them (Flink's FsCheckpointStreamFactory,
+FsCheckpointStateOutputStream and MemCheckpointStreamFactory)."""
+
+import io
+import uuid
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from fsspec import AbstractFileSystem
+
+from checkpoint_storage._filesystems import abort_file, join
+from checkpoint_storage._handles import (
+    ByteStreamStateHandle,
+    FileStateHandle,
+    RelativeFileStateHandle,
+    StreamStateHandle,
+)
+from checkpoint_storage._references import CheckpointedStateScope
+from checkpoint_storage.exceptions import StateSizeExceededError, StreamClosedError
+
+__all__ = ["CheckpointStateOutputStream", "CheckpointStreamFactory"]
+
+
+class CheckpointStateOutputStream(ABC):
+    """A binary stream that ends in a state handle.
+
+    Subclasses implement ``write``, ``tell``, ``flush``, ``close_and_get_handle`` (commit) and
+    ``close`` (abort: discard whatever was written; never raises). Leaving a ``with`` block
+    without ``close_and_get_handle()`` aborts.
+    """
+
+    @abstractmethod
+    def write(self, data) -> int: ...
+
+    @abstractmethod
+    def tell(self) -> int: ...
+
+    @abstractmethod
+    def flush(self) -> None: ...
+
+    @abstractmethod
+    def close_and_get_handle(self) -> StreamStateHandle | None:
+        """Commit: the handle of everything written, or None if nothing was written."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Abort unless already committed; never raises."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool: ...
+
+    def writable(self) -> bool:
+        return not self.closed
+
+    def __enter__(self) -> "CheckpointStateOutputStream":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class CheckpointStreamFactory(ABC):
+    """Creates the streams that one checkpoint's state is written into."""
+
+    @abstractmethod
+    def create_checkpoint_state_output_stream(
+        self, scope: CheckpointedStateScope
+    ) -> CheckpointStateOutputStream: ...
+
+
+def _closed_error() -> StreamClosedError:
+    return StreamClosedError("the state stream is closed; create a new stream to write state")
+
+
+class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
+    """Buffers up to the inline threshold; beyond it, streams into a lazily created file.
+
+    ``directory`` returns the directory URL for the file (called once, when the file is
+    created: entropy injection draws fresh characters per file). Files get UUID names and are
+    never overwritten; the stream issues no exists/mkdir calls.
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        directory: Callable[[], str],
+        buffer_size: int,
+        threshold: int,
+        relative: bool,
+    ) -> None:
+        self._fs = fs
+        self._directory = directory
+        self._buffer = bytearray(max(buffer_size, threshold, 1))
+        self._pos = 0
+        self._threshold = threshold
+        self._relative = relative
+        self._file = None
+        self._file_url: str | None = None
+        self._file_dir: str | None = None
+        self._file_name: str | None = None
+        self._flushed = 0
+        self._crc = 0
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def write(self, data) -> int:
+        if self._closed:
+            raise _closed_error()
+        view = memoryview(data).cast("B")
+        n = len(view)
+        capacity = len(self._buffer)
+        if self._pos + n <= capacity:
+            self._buffer[self._pos : self._pos + n] = view
+            self._pos += n
+            return n
+        self._flush_buffer()
+        if n >= capacity:
+            self._write_to_file(view)
+        else:
+            self._buffer[:n] = view
+            self._pos = n
+        return n
+
+    def tell(self) -> int:
+        return self._flushed + self._pos
+
+    def flush(self) -> None:
+        if self._closed:
+            raise _closed_error()
+        if self._file is not None or self._pos > self._threshold:
+            self._flush_buffer()
+            self._file.flush()
+
+    def _flush_buffer(self) -> None:
+        if self._file is None:
+            self._open_file()
+        if self._pos:
+            self._write_to_file(memoryview(self._buffer)[: self._pos])
+            self._pos = 0
+
+    def _write_to_file(self, view: memoryview) -> None:
+        if self._file is None:
+            self._open_file()
+        self._file.write(view)
+        self._crc = zlib.crc32(view, self._crc)
+        self._flushed += len(view)
+
+    def _open_file(self) -> None:
+        directory = self._directory()
+        name = uuid.uuid4().hex
+        path = join(directory, name)
+        self._file = self._fs.open(self._fs._strip_protocol(path), "wb")
+        self._file_url, self._file_dir, self._file_name = path, directory, name
+
+    def close_and_get_handle(self) -> StreamStateHandle | None:
+        if self._closed:
+            raise StreamClosedError("the state stream was already closed or committed")
+        try:
+            if self._file is None:
+                if self._pos == 0:
+                    self._closed = True
+                    return None
+                if self._pos <= self._threshold:
+                    self._closed = True
+                    name = join(self._directory(), uuid.uuid4().hex)
+                    return ByteStreamStateHandle(name, bytes(self._buffer[: self._pos]))
+            self._flush_buffer()
+            self._file.close()
+        except BaseException:
+            self.close()
+            raise
+        self._closed = True
+        self._buffer = bytearray()
+        size, crc, fs = self._flushed, self._crc, self._fs
+        if self._relative:
+            return RelativeFileStateHandle(
+                self._file_url, self._file_name, size, crc, filesystem=fs
+            )
+        return FileStateHandle(self._file_url, size, crc, filesystem=fs)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = bytearray()
+        if self._file is not None:
+            abort_file(self._fs, self._file, self._fs._strip_protocol(self._file_url))
+
+
+class MemoryCheckpointStateOutputStream(CheckpointStateOutputStream):
+    """Keeps all state in memory; fails at commit when larger than ``max_size``."""
+
+    def __init__(self, name: Callable[[], str], max_size: int) -> None:
+        self._name = name
+        self._max_size = max_size
+        self._out: io.BytesIO | None = io.BytesIO()
+
+    @property
+    def closed(self) -> bool:
+        return self._out is None
+
+    def write(self, data) -> int:
+        if self._out is None:
+            raise _closed_error()
+        return self._out.write(data)
+
+    def tell(self) -> int:
+        if self._out is None:
+            raise _closed_error()
+        return self._out.tell()
+
+    def flush(self) -> None:
+        if self._out is None:
+            raise _closed_error()
+
+    def close_and_get_handle(self) -> ByteStreamStateHandle | None:
+        if self._out is None:
+            raise StreamClosedError("the state stream was already closed or committed")
+        data, self._out = self._out.getvalue(), None
+        if not data:
+            return None
+        if len(data) > self._max_size:
+            raise StateSizeExceededError(
+                f"state of {len(data)} bytes exceeds the maximum state size of "
+                f"{self._max_size} bytes of MemoryCheckpointStorage; use "
+                "FileSystemCheckpointStorage for state of this size"
+            )
+        return ByteStreamStateHandle(self._name(), data)
+
+    def close(self) -> None:
+        self._out = None
+
+
+class FsCheckpointStreamFactory(CheckpointStreamFactory):
+    """Streams for EXCLUSIVE state into ``exclusive_dir`` and SHARED state into ``shared_dir``.
+
+    Exclusive files are recorded relative to their directory (so savepoints relocate) unless
+    entropy is injected into their paths; ``relative_shared`` is set where the shared
+    directory is the location's own directory (savepoints).
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        exclusive_dir: str,
+        shared_dir: str,
+        *,
+        threshold: int,
+        buffer_size: int,
+        entropy=None,
+        relative_shared: bool = False,
+    ) -> None:
+        self._fs = fs
+        self._exclusive_dir = exclusive_dir
+        self._shared_dir = shared_dir
+        self._threshold = threshold
+        self._buffer_size = max(buffer_size, threshold)
+        self._entropy = entropy
+        self._relative_shared = relative_shared
+
+    def _target(self, directory: str) -> Callable[[], str]:
+        if self._entropy is None:
+            return lambda: directory
+        return lambda: self._entropy.inject(directory)
+
+    def create_checkpoint_state_output_stream(
+        self, scope: CheckpointedStateScope
+    ) -> CheckpointStateOutputStream:
+        if scope is CheckpointedStateScope.EXCLUSIVE:
+            directory, relative = self._exclusive_dir, True
+        elif scope is CheckpointedStateScope.SHARED:
+            directory, relative = self._shared_dir, self._relative_shared
+        else:
+            raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
+        return FsCheckpointStateOutputStream(
+            self._fs,
+            self._target(directory),
+            self._buffer_size,
+            self._threshold,
+            relative and self._entropy is None,
+        )
+
+    def create_task_owned_state_stream(self, directory: str) -> CheckpointStateOutputStream:
+        return FsCheckpointStateOutputStream(
+            self._fs, self._target(directory), self._buffer_size, self._threshold, False
+        )
+
+
+class MemCheckpointStreamFactory(CheckpointStreamFactory):
+    """Streams that keep state in memory (Flink's MemCheckpointStreamFactory)."""
+
+    def __init__(self, max_state_size: int, name_prefix: str = "memory") -> None:
+        self._max_state_size = max_state_size
+        self._name_prefix = name_prefix
+
+    def create_checkpoint_state_output_stream(
+        self, scope: CheckpointedStateScope
+    ) -> CheckpointStateOutputStream:
+        if not isinstance(scope, CheckpointedStateScope):
+            raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
+        return MemoryCheckpointStateOutputStream(
+            lambda: f"{self._name_prefix}/{uuid.uuid4().hex}", self._max_state_size
+        )

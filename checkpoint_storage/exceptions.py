@@ -1,0 +1,83 @@
+"""Every exception the library raises on purpose.
+
+The tree::
+
+    CheckpointStorageError                  root: catch this to catch everything below
+    ├── UnsafePathError (ValueError)        a pointer or handle path leaves the configured roots
+    ├── InvalidCheckpointError (ValueError) `_metadata` is truncated, corrupt, foreign or from an
+    │   │                                   unknown format version: not a valid checkpoint
+    │   └── StateIntegrityError             a state file's size or checksum differs from its handle
+    ├── UnsupportedFileSystemError (ValueError)
+    │                                       the filesystem cannot publish `_metadata` atomically
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    │                                       no checkpoint at the pointer (or no `_metadata` in it)
+    ├── CheckpointAlreadyExistsError (FileExistsError)
+    │                                       `_metadata` already exists: another writer committed
+    ├── CheckpointCommitFailedError (OSError)
+    │                                       publishing `_metadata` failed; nothing was published
+    ├── CommitStateUnknownError (OSError)   publishing `_metadata` may or may not have happened and
+    │                                       reading it back could not tell: inspect before retrying
+    ├── StateSizeExceededError (OSError)    a state is larger than the memory storage allows
+    └── StreamClosedError (OSError)         the stream was already closed or committed
+
+Bad arguments raise plain ``ValueError`` (``TypeError`` for ``None``); I/O failures of the
+underlying filesystem propagate as the ``OSError`` the filesystem raised.
+"""
+
+__all__ = [
+    "CheckpointAlreadyExistsError",
+    "CheckpointCommitFailedError",
+    "CheckpointNotFoundError",
+    "CheckpointStorageError",
+    "CommitStateUnknownError",
+    "InvalidCheckpointError",
+    "StateIntegrityError",
+    "StateSizeExceededError",
+    "StreamClosedError",
+    "UnsafePathError",
+    "UnsupportedFileSystemError",
+]
+
+
+class CheckpointStorageError(Exception):
+    """Root of the library's exceptions."""
+
+
+class UnsafePathError(CheckpointStorageError, ValueError):
+    """A path read from a pointer or from `_metadata` escapes the roots it must stay in."""
+
+
+class InvalidCheckpointError(CheckpointStorageError, ValueError):
+    """The bytes are not a valid, complete checkpoint (`_metadata` or state)."""
+
+
+class StateIntegrityError(InvalidCheckpointError):
+    """A state file does not have the size or checksum its handle records."""
+
+
+class UnsupportedFileSystemError(CheckpointStorageError, ValueError):
+    """The filesystem offers no put-if-absent primitive to publish `_metadata` with."""
+
+
+class CheckpointNotFoundError(CheckpointStorageError, FileNotFoundError):
+    """No completed checkpoint exists at the given pointer."""
+
+
+class CheckpointAlreadyExistsError(CheckpointStorageError, FileExistsError):
+    """`_metadata` is already present: the checkpoint was completed by another writer."""
+
+
+class CheckpointCommitFailedError(CheckpointStorageError, OSError):
+    """Publishing `_metadata` failed and nothing was published; retrying is safe."""
+
+
+class CommitStateUnknownError(CheckpointStorageError, OSError):
+    """Publishing `_metadata` may have succeeded; read the location before retrying."""
+
+
+class StateSizeExceededError(CheckpointStorageError, OSError):
+    """A state stream exceeded the maximum size of the memory checkpoint storage."""
+
+
+class StreamClosedError(CheckpointStorageError, OSError):
+    """The stream was closed or already returned its handle."""

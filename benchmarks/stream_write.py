@@ -145,10 +145,12 @@ class Workloads:
 
     # large state
 
-    def large_stream(self, size: int) -> float:
+    def large_stream(self, size: int, profiler: cProfile.Profile | None = None) -> float:
         from checkpoint_storage import CheckpointedStateScope, FileStateHandle
 
         chunks, n = self.chunks, size // self.chunk
+        if profiler is not None:
+            profiler.enable()
         start = time.perf_counter()
         stream = self.location.create_checkpoint_state_output_stream(
             CheckpointedStateScope.EXCLUSIVE
@@ -157,6 +159,8 @@ class Workloads:
             stream.write(chunks[i & 15])
         handle = stream.close_and_get_handle()
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
         if not isinstance(handle, FileStateHandle) or handle.state_size != n * self.chunk:
             raise AssertionError(f"unexpected handle {handle!r}")
         handle.discard_state()
@@ -175,17 +179,21 @@ class Workloads:
 
     # small states
 
-    def small_streams(self, count: int) -> float:
+    def small_streams(self, count: int, profiler: cProfile.Profile | None = None) -> float:
         from checkpoint_storage import ByteStreamStateHandle, CheckpointedStateScope
 
         exclusive, state, location = CheckpointedStateScope.EXCLUSIVE, self.state, self.location
         handles = []
+        if profiler is not None:
+            profiler.enable()
         start = time.perf_counter()
         for _ in range(count):
             stream = location.create_checkpoint_state_output_stream(exclusive)
             stream.write(state)
             handles.append(stream.close_and_get_handle())
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
         if not all(type(h) is ByteStreamStateHandle for h in handles):
             raise AssertionError("small states were not inlined")
         return elapsed
@@ -227,17 +235,16 @@ def _short(filename: str) -> str:
 
 
 def profile(title: str, fn, top: int = 18) -> None:
+    """Run ``fn(profiler)``, which profiles its timed part only, and print the hot spots."""
     profiler = cProfile.Profile()
-    profiler.enable()
-    fn()
-    profiler.disable()
+    fn(profiler)
     stats = pstats.Stats(profiler).stats
     total = sum(tt for (_, _, tt, _, _) in stats.values()) or 1e-9
     print(f"\n  cProfile of our side, {title} (total {total:.3f} s of own time):")
     print(f"    {'own s':>8} {'own %':>6} {'cum s':>8} {'calls':>9}  function (file:line)")
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     for (filename, line, func), (_, calls, tt, ct, _) in rows:
-        where = f"{_short(filename)}:{line}" if line else filename
+        where = f"{_short(filename)}:{line}" if line else "built-in"
         print(f"    {tt:8.3f} {100 * tt / total:6.1f} {ct:8.3f} {calls:9d}  {func} ({where})")
     ours = [
         (ct, tt, f"{func} ({_short(fn_)}:{line})")
@@ -329,9 +336,9 @@ def run_backend(name: str, args) -> list[Row]:
         rows.append(small)
 
         if args.profile or not large.ok:
-            profile(f"large state ({name}, {size_mib} MiB)", lambda: w.large_stream(size))
+            profile(f"large state ({name}, {size_mib} MiB)", lambda p: w.large_stream(size, p))
         if args.profile or not small.ok:
-            profile(f"{states:,} inline states ({name})", lambda: w.small_streams(states))
+            profile(f"{states:,} inline states ({name})", lambda p: w.small_streams(states, p))
     finally:
         backend.close()
     return rows

@@ -19,7 +19,6 @@ from checkpoint_storage._filesystems import (
     check_pointer,
     join,
     parent_and_name,
-    remove_entropy_marker,
     roots_for_directory,
     to_url,
     url_to_fs,
@@ -293,26 +292,19 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
         return None
 
 
-def _job_directories(base: str, job_id: JobID, create_subdir: bool) -> str:
-    return join(base, job_id.hex) if create_subdir else base
-
-
 class FsCheckpointStorageAccess(_DirectoryBasedAccess):
     """Checkpoint storage on a filesystem (Flink's FsCheckpointStorageAccess)."""
 
     def __init__(self, storage, job_id: JobID | str) -> None:
         job_id = JobID.of(job_id)
-        template = _job_directories(
-            storage.checkpoint_directory, job_id, storage.create_checkpoint_subdir
-        )
-        key = storage.entropy_injection_key
-        entropy = None
-        job_directory = template
-        if key and key in template:
-            entropy = EntropyInjector(key, storage.entropy_length, template)
-            job_directory = remove_entropy_marker(template, key)
+        entropy = storage.entropy_injector
+        base = storage.checkpoint_directory if entropy is None else entropy.plain
         super().__init__(
-            job_id, job_directory, storage.savepoint_directory, storage.storage_options, entropy
+            job_id,
+            join(base, job_id.hex) if storage.create_checkpoint_subdir else base,
+            storage.savepoint_directory,
+            storage.storage_options,
+            entropy,
         )
         self._storage = storage
         self._threshold = storage.file_state_size_threshold
@@ -341,6 +333,7 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
             self._fs,
             exclusive_dir,
             self.shared_state_directory,
+            self.task_owned_state_directory,
             threshold=self._threshold,
             buffer_size=self._buffer_size,
             entropy=self._entropy,
@@ -362,9 +355,10 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
             fs,
             directory,
             directory,
+            directory,
             threshold=self._threshold,
             buffer_size=self._buffer_size,
-            relative_shared=True,
+            self_contained=True,
         )
 
     def resolve_checkpoint_storage_location(
@@ -379,9 +373,7 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
         return self._savepoint_streams(fs, to_url(fs, path))
 
     def create_task_owned_state_stream(self) -> CheckpointStateOutputStream:
-        return self._streams(self.task_owned_state_directory).create_task_owned_state_stream(
-            self.task_owned_state_directory
-        )
+        return self._streams(self.task_owned_state_directory).create_task_owned_state_stream()
 
     def create_task_owned_checkpoint_state_toolset(self) -> CheckpointStateToolset:
         return FsCheckpointStateToolset(self._fs, self.task_owned_state_directory)
@@ -426,7 +418,7 @@ class MemoryCheckpointStorageAccess(_DirectoryBasedAccess):
             job_id,
             None if directory is None else join(directory, job_id.hex),
             storage.savepoint_directory,
-            None,
+            storage.storage_options,
         )
         self._max_state_size = storage.max_state_size
         self._in_memory: dict[int, CompletedCheckpointStorageLocation] = {}

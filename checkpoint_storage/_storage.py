@@ -15,7 +15,7 @@ from checkpoint_storage._access import (
     MemoryCheckpointStorageAccess,
     resolve_checkpoint_pointer,
 )
-from checkpoint_storage._filesystems import canonical_url
+from checkpoint_storage._filesystems import EntropyInjector, canonical_url
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
 
@@ -90,7 +90,11 @@ class FileSystemCheckpointStorage(CheckpointStorage):
                 )
             if not isinstance(entropy_length, int) or entropy_length < 1:
                 raise ValueError(f"entropy_length must be >= 1, got {entropy_length!r}")
-            if split_protocol(checkpoint_dir)[0] in (None, "file", "local"):
+            if entropy_injection_key in checkpoint_dir and split_protocol(checkpoint_dir)[0] in (
+                None,
+                "file",
+                "local",
+            ):
                 raise ValueError(
                     "entropy injection spreads keys over object-store prefixes; local "
                     "directories do not need it: remove entropy_injection_key"
@@ -98,11 +102,19 @@ class FileSystemCheckpointStorage(CheckpointStorage):
         self.entropy_injection_key = entropy_injection_key
         self.entropy_length = entropy_length
 
+    @property
+    def entropy_injector(self) -> EntropyInjector | None:
+        """Injects entropy into data file paths, when the key is in the checkpoint directory."""
+        key = self.entropy_injection_key
+        if key and key in self.checkpoint_directory:
+            return EntropyInjector(key, self.entropy_length, self.checkpoint_directory)
+        return None
+
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return FsCheckpointStorageAccess(self, job_id)
 
     def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
-        return resolve_checkpoint_pointer(pointer, self.storage_options)
+        return resolve_checkpoint_pointer(pointer, self.storage_options, self.entropy_injector)
 
     def _key(self) -> tuple:
         return (
@@ -145,18 +157,20 @@ class MemoryCheckpointStorage(CheckpointStorage):
         savepoint_dir: str | None = None,
         *,
         max_state_size: int = DEFAULT_MAX_MEMORY_STATE_SIZE,
+        storage_options: dict | None = None,
     ) -> None:
         if not isinstance(max_state_size, int) or max_state_size <= 0:
             raise ValueError(f"max_state_size must be > 0, got {max_state_size!r}")
-        self.checkpoint_directory = _optional_directory(checkpoint_dir, None)
-        self.savepoint_directory = _optional_directory(savepoint_dir, None)
+        self.storage_options = dict(storage_options or {})
+        self.checkpoint_directory = _optional_directory(checkpoint_dir, self.storage_options)
+        self.savepoint_directory = _optional_directory(savepoint_dir, self.storage_options)
         self.max_state_size = max_state_size
 
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return MemoryCheckpointStorageAccess(self, job_id)
 
     def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
-        return resolve_checkpoint_pointer(pointer, None)
+        return resolve_checkpoint_pointer(pointer, self.storage_options)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MemoryCheckpointStorage):

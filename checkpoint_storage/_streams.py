@@ -118,12 +118,16 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
             self._buffer[self._pos : self._pos + n] = view
             self._pos += n
             return n
-        self._flush_buffer()
-        if n >= capacity:
-            self._write_to_file(view)
-        else:
-            self._buffer[:n] = view
-            self._pos = n
+        try:
+            self._flush_buffer()
+            if n >= capacity:
+                self._write_to_file(view)
+            else:
+                self._buffer[:n] = view
+                self._pos = n
+        except BaseException:
+            self.close()  # a stream that lost bytes must never commit: abort it
+            raise
         return n
 
     def tell(self) -> int:
@@ -133,8 +137,12 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
         if self._closed:
             raise _closed_error()
         if self._file is not None or self._pos > self._threshold:
-            self._flush_buffer()
-            self._file.flush()
+            try:
+                self._flush_buffer()
+                self._file.flush()
+            except BaseException:
+                self.close()
+                raise
 
     def _flush_buffer(self) -> None:
         if self._file is None:
@@ -237,11 +245,12 @@ class MemoryCheckpointStateOutputStream(CheckpointStateOutputStream):
 
 
 class FsCheckpointStreamFactory(CheckpointStreamFactory):
-    """Streams for EXCLUSIVE state into ``exclusive_dir`` and SHARED state into ``shared_dir``.
+    """Streams for EXCLUSIVE state into ``exclusive_dir``, SHARED state into ``shared_dir`` and
+    task-owned state into ``task_owned_dir``.
 
     Exclusive files are recorded relative to their directory (so savepoints relocate) unless
-    entropy is injected into their paths; ``relative_shared`` is set where the shared
-    directory is the location's own directory (savepoints).
+    entropy is injected into their paths. A savepoint passes its own directory for all three
+    and ``self_contained=True``: every file is then recorded relative to it.
     """
 
     def __init__(
@@ -249,19 +258,21 @@ class FsCheckpointStreamFactory(CheckpointStreamFactory):
         fs: AbstractFileSystem,
         exclusive_dir: str,
         shared_dir: str,
+        task_owned_dir: str,
         *,
         threshold: int,
         buffer_size: int,
         entropy=None,
-        relative_shared: bool = False,
+        self_contained: bool = False,
     ) -> None:
         self._fs = fs
         self._exclusive_dir = exclusive_dir
         self._shared_dir = shared_dir
+        self._task_owned_dir = task_owned_dir
         self._threshold = threshold
         self._buffer_size = max(buffer_size, threshold)
         self._entropy = entropy
-        self._relative_shared = relative_shared
+        self._self_contained = self_contained
 
     def _target(self, directory: str) -> Callable[[], str]:
         if self._entropy is None:
@@ -274,7 +285,7 @@ class FsCheckpointStreamFactory(CheckpointStreamFactory):
         if scope is CheckpointedStateScope.EXCLUSIVE:
             directory, relative = self._exclusive_dir, True
         elif scope is CheckpointedStateScope.SHARED:
-            directory, relative = self._shared_dir, self._relative_shared
+            directory, relative = self._shared_dir, self._self_contained
         else:
             raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
         return FsCheckpointStateOutputStream(
@@ -285,9 +296,14 @@ class FsCheckpointStreamFactory(CheckpointStreamFactory):
             relative and self._entropy is None,
         )
 
-    def create_task_owned_state_stream(self, directory: str) -> CheckpointStateOutputStream:
+    def create_task_owned_state_stream(self) -> CheckpointStateOutputStream:
+        """A stream into the task-owned directory, which the coordinator never deletes."""
         return FsCheckpointStateOutputStream(
-            self._fs, self._target(directory), self._buffer_size, self._threshold, False
+            self._fs,
+            self._target(self._task_owned_dir),
+            self._buffer_size,
+            self._threshold,
+            self._self_contained and self._entropy is None,
         )
 
 

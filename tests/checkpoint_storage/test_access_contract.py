@@ -10,6 +10,8 @@ import os
 import pickle
 import random
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pytest
@@ -91,7 +93,9 @@ def metadata(checkpoint_id: int, handles=(), master: bytes = b"pos-0") -> Checkp
     return CheckpointMetadata(
         checkpoint_id=checkpoint_id,
         operator_states=(
-            OperatorState("op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}),
+            OperatorState(
+                "op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}
+            ),
         ),
         master_states={"pos": master},
     )
@@ -203,6 +207,32 @@ def test_resolve_directory_without_metadata_raises_not_found(backend):
             access.resolve_checkpoint(pointer)
 
 
+def test_resolve_pointer_to_a_state_file_raises_not_found(backend):
+    """A pointer to a state file (not a checkpoint directory nor _metadata) is not found."""
+    access = new_access(backend)
+    location = access.initialize_location_for_checkpoint(2)
+    state = write_state(location, payload(BIG, 2))
+    finalize(location, metadata(2, [state]))
+
+    with pytest.raises(FileNotFoundError):
+        access.resolve_checkpoint(state.path)
+
+
+def test_file_url_and_plain_path_resolve_to_one_pointer_on_local_disk(tmp_path):
+    """On local disk, file:// URLs and plain paths of a checkpoint give one pointer string."""
+    job = JobID.generate()
+    access = FileSystemCheckpointStorage(str(tmp_path / "cp")).create_checkpoint_storage(job)
+    access.initialize_base_locations()
+    completed, _ = complete_checkpoint(access, 1)
+    plain = str(tmp_path / "cp" / str(job) / "chk-1")
+
+    pointers = [plain, plain + "/", "file://" + plain, "file://" + plain + "/_metadata"]
+
+    assert [completed.external_pointer] * 4 == [
+        access.resolve_checkpoint(p).external_pointer for p in pointers
+    ]
+
+
 # --------------------------------------------------------------------------------------------
 #  checkpoints
 # --------------------------------------------------------------------------------------------
@@ -218,7 +248,9 @@ def test_two_jobs_on_one_base_with_same_checkpoint_id_do_not_interfere(backend):
     completed2, md2 = complete_checkpoint(access2, 177, [payload(BIG, 2)], master=b"job-two")
 
     fs = fs_of(backend)
-    job_dirs = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(norm(fs, backend.url("cp")), detail=False))
+    job_dirs = sorted(
+        p.rsplit("/", 1)[-1] for p in fs.ls(norm(fs, backend.url("cp")), detail=False)
+    )
     assert sorted([str(job1), str(job2)]) == job_dirs
     assert norm(fs, completed1.external_pointer) != norm(fs, completed2.external_pointer)
     for access in (access1, access2):
@@ -279,6 +311,37 @@ def test_put_if_absent_between_two_independent_coordinators(backend):
     for access in coordinators:
         resolved = access.resolve_checkpoint(winner.external_pointer)
         assert mds[0] == load_checkpoint_metadata(resolved)
+
+
+def test_put_if_absent_between_two_coordinators_finalizing_at_once(backend):
+    """Two independent coordinators finalizing chk-5 at the same moment: exactly one wins."""
+    job = JobID.generate()
+    outs, mds = [], []
+    for tag in (b"a", b"b"):
+        access = make_storage(backend).create_checkpoint_storage(str(job))
+        access.initialize_base_locations()
+        location = access.initialize_location_for_checkpoint(5)
+        md = metadata(5, master=tag)
+        out = location.create_metadata_output_stream()
+        store_checkpoint_metadata(md, out)
+        outs.append(out)
+        mds.append(md)
+    barrier = threading.Barrier(2)
+
+    def commit(out):
+        barrier.wait()
+        try:
+            return out.close_and_finalize_checkpoint()
+        except FileExistsError as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(commit, outs))
+
+    winners = [i for i, r in enumerate(results) if not isinstance(r, FileExistsError)]
+    assert 1 == len(winners), results
+    resolved = make_storage(backend).create_checkpoint_storage(job).latest_completed_checkpoint()
+    assert mds[winners[0]] == load_checkpoint_metadata(resolved)
 
 
 # --------------------------------------------------------------------------------------------
@@ -679,6 +742,44 @@ def test_entropy_injected_in_data_files_and_removed_from_metadata(backend):
     assert "_entropy_" not in completed.external_pointer
 
 
+@pytest.mark.parametrize("backend", ["memory", "s3"], indirect=True)
+def test_entropy_checkpoint_resolves_through_the_configured_storage(backend):
+    """FileSystemCheckpointStorage.resolve_checkpoint (the entropy-configured storage itself,
+    also after pickling) loads an entropy checkpoint's metadata and its states."""
+    storage = FileSystemCheckpointStorage(
+        backend.url("_entropy_", "cp"),
+        storage_options=dict(backend.storage_options),
+        file_state_size_threshold=THRESHOLD,
+        entropy_injection_key="_entropy_",
+    )
+    access = storage.create_checkpoint_storage(JobID.generate())
+    access.initialize_base_locations()
+    location = access.initialize_location_for_checkpoint(1)
+    data = [payload(BIG, 1), payload(BIG, 2)]
+    handles = [write_state(location, data[0]), write_state(location, data[1], SHARED)]
+    completed = finalize(location, metadata(1, handles))
+
+    for resolver in (storage, pickle.loads(pickle.dumps(storage))):
+        loaded = load_checkpoint_metadata(resolver.resolve_checkpoint(completed.external_pointer))
+        assert data == [read(h) for h in loaded_handles(loaded)]
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"], indirect=True)
+def test_entropy_key_absent_from_checkpoint_dir_injects_nothing(backend):
+    """A configured key that does not occur in the checkpoint dir changes no path."""
+    job = JobID.generate()
+    storage = make_storage(backend, entropy_injection_key="_entropy_")
+    access = storage.create_checkpoint_storage(job)
+    access.initialize_base_locations()
+    location = access.initialize_location_for_checkpoint(1)
+
+    handle = write_state(location, payload(BIG, 1))
+
+    fs = fs_of(backend)
+    assert isinstance(handle, RelativeFileStateHandle)
+    assert norm(fs, backend.url("cp", str(job), "chk-1")) == parent(norm(fs, handle.path))
+
+
 def test_entropy_on_local_disk_is_rejected(tmp_path):
     """Local disk has no key spreading: an entropy key there is a ValueError."""
     with pytest.raises(ValueError):
@@ -709,7 +810,9 @@ def test_dispose_on_failure_removes_checkpoint_directory_recursively(backend):
     chk3 = norm(fs, backend.url("cp", str(job), "chk-3"))
     assert (False, []) == (fs.exists(chk3), fs.find(chk3))
     resolved = access.resolve_checkpoint(survivor.external_pointer)
-    assert [payload(BIG, 2)] == [read(h) for h in loaded_handles(load_checkpoint_metadata(resolved))]
+    assert [payload(BIG, 2)] == [
+        read(h) for h in loaded_handles(load_checkpoint_metadata(resolved))
+    ]
     assert payload(BIG, 33) == read(shared)
     assert survivor.external_pointer == access.latest_completed_checkpoint().external_pointer
 
@@ -747,7 +850,9 @@ def test_completed_location_is_picklable(backend):
 
     assert completed.external_pointer == copy.external_pointer
     assert md == load_checkpoint_metadata(copy)
-    assert [payload(BIG, 6), b"inline"] == [read(h) for h in loaded_handles(load_checkpoint_metadata(copy))]
+    assert [payload(BIG, 6), b"inline"] == [
+        read(h) for h in loaded_handles(load_checkpoint_metadata(copy))
+    ]
 
 
 def test_storage_is_picklable_and_its_copy_reaches_the_same_checkpoints(backend):

@@ -86,7 +86,9 @@ def metadata(checkpoint_id: int, handles=(), master: bytes = b"pos-0") -> Checkp
     return CheckpointMetadata(
         checkpoint_id=checkpoint_id,
         operator_states=(
-            OperatorState("op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}),
+            OperatorState(
+                "op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}
+            ),
         ),
         master_states={"pos": master},
     )
@@ -158,7 +160,9 @@ def test_every_stream_returns_inline_handles():
 def test_state_of_exactly_max_size_is_accepted():
     """A state of exactly max_state_size bytes is fine."""
     storage = MemoryCheckpointStorage(max_state_size=4321)
-    location = storage.create_checkpoint_storage(JobID.generate()).initialize_location_for_checkpoint(1)
+    location = storage.create_checkpoint_storage(
+        JobID.generate()
+    ).initialize_location_for_checkpoint(1)
 
     handle = write_state(location, payload(4321, 1))
 
@@ -169,7 +173,9 @@ def test_oversized_state_fails_at_close_and_get_handle_naming_both_sizes():
     """Writing past max_state_size fails at close_and_get_handle() with an OSError that names
     the state size and the maximum and suggests the file system storage."""
     storage = MemoryCheckpointStorage(max_state_size=4321)
-    location = storage.create_checkpoint_storage(JobID.generate()).initialize_location_for_checkpoint(1)
+    location = storage.create_checkpoint_storage(
+        JobID.generate()
+    ).initialize_location_for_checkpoint(1)
     out = location.create_checkpoint_state_output_stream(EXCLUSIVE)
     out.write(payload(4000, 1))
     for _ in range(22):
@@ -200,6 +206,17 @@ def test_non_persistent_checkpoint_keeps_metadata_inline():
     assert isinstance(completed.metadata_handle, ByteStreamStateHandle)
     assert md == load_checkpoint_metadata(completed)
     assert DEFAULT_REF == location.location_reference
+
+
+def test_non_persistent_pointer_is_not_resolvable():
+    """Without a checkpoint dir the external pointer cannot be resolved (FileNotFoundError)."""
+    storage = MemoryCheckpointStorage()
+    access = storage.create_checkpoint_storage(JobID.generate())
+    completed = finalize(access.initialize_location_for_checkpoint(9), metadata(9))
+
+    for resolve in (access.resolve_checkpoint, storage.resolve_checkpoint):
+        with pytest.raises(FileNotFoundError):
+            resolve(completed.external_pointer)
 
 
 def test_non_persistent_latest_completed_checkpoint_is_numeric():
@@ -265,7 +282,9 @@ def test_persistent_checkpoint_resolves_from_a_fresh_storage(base_url):
     pointer = finalize(location, md).external_pointer
 
     fresh = MemoryCheckpointStorage(base_url + "/cp")
-    resolved = [fresh.resolve_checkpoint(p) for p in (pointer, pointer + "/", pointer + "/_metadata")]
+    resolved = [
+        fresh.resolve_checkpoint(p) for p in (pointer, pointer + "/", pointer + "/_metadata")
+    ]
     latest = fresh.create_checkpoint_storage(job).latest_completed_checkpoint()
 
     assert [pointer] * 4 == [r.external_pointer for r in (*resolved, latest)]
@@ -305,7 +324,9 @@ def test_persistent_put_if_absent_between_two_independent_accesses(base_url):
         outs[1].close_and_finalize_checkpoint()
 
     for access in accesses:
-        assert mds[0] == load_checkpoint_metadata(access.resolve_checkpoint(winner.external_pointer))
+        assert mds[0] == load_checkpoint_metadata(
+            access.resolve_checkpoint(winner.external_pointer)
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,9 +370,9 @@ def test_savepoint_target_without_any_directory_configured(base_url):
     assert norm(fs, completed.external_pointer) == norm(
         fs, decode_path_from_reference(location.location_reference)
     )
-    assert md == load_checkpoint_metadata(MemoryCheckpointStorage().resolve_checkpoint(
-        completed.external_pointer
-    ))
+    assert md == load_checkpoint_metadata(
+        MemoryCheckpointStorage().resolve_checkpoint(completed.external_pointer)
+    )
 
 
 def test_savepoint_without_target_or_default_fails():

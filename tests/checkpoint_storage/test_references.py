@@ -230,7 +230,9 @@ def test_decode_rejects_default_reference():
         decode_path_from_reference(CheckpointStorageLocationReference.get_default())
 
 
-@pytest.mark.parametrize("data", [b"\x05", b"\x05\x5f", b"\x05\x5f\x3f", MAGIC, b"\x00\x00\x00\x00"])
+@pytest.mark.parametrize(
+    "data", [b"\x05", b"\x05\x5f", b"\x05\x5f\x3f", MAGIC, b"\x00\x00\x00\x00"]
+)
 def test_decode_rejects_four_bytes_or_fewer(data):
     """A reference of at most 4 bytes (even exactly the magic number) is rejected."""
     with pytest.raises(ValueError):

@@ -81,7 +81,9 @@ def metadata(checkpoint_id: int, handles=(), master: bytes = b"pos-0") -> Checkp
     return CheckpointMetadata(
         checkpoint_id=checkpoint_id,
         operator_states=(
-            OperatorState("op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}),
+            OperatorState(
+                "op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}
+            ),
         ),
         master_states={"pos": master},
     )
@@ -123,7 +125,9 @@ def take_savepoint(backend, default_dir, target, job=None):
 def test_savepoint_target_wins_over_configured_default(backend):
     """Default configured and a target given: the savepoint goes under the target."""
     fs = fs_of(backend)
-    access, completed, data = take_savepoint(backend, backend.url("default-sp"), backend.url("custom"))
+    access, completed, data = take_savepoint(
+        backend, backend.url("default-sp"), backend.url("custom")
+    )
 
     assert access.has_default_savepoint_location()
     assert norm(fs, backend.url("custom")) == parent(norm(fs, completed.external_pointer))
@@ -261,6 +265,55 @@ def test_savepoint_is_not_a_checkpoint(backend):
     assert None is access.latest_completed_checkpoint()
 
 
+@pytest.mark.parametrize("backend", ["memory", "s3"], indirect=True)
+def test_savepoint_on_another_filesystem_than_the_checkpoints(backend, tmp_path):
+    """Checkpoints on memory:// or S3, savepoint target on local disk: coordinator and worker
+    both write there and the savepoint resolves and restores."""
+    job = JobID.generate()
+    storage = make_storage(backend)
+    access = storage.create_checkpoint_storage(job)
+    access.initialize_base_locations()
+    target = str(tmp_path / "savepoints")
+    location = access.initialize_location_for_savepoint(SAVEPOINT_ID, target)
+    worker = pickle.loads(pickle.dumps(storage)).create_checkpoint_storage(job)
+    factory = worker.resolve_checkpoint_storage_location(SAVEPOINT_ID, location.location_reference)
+    data = [payload(BIG, 1), payload(BIG, 2)]
+
+    handles = [write_state(location, data[0]), write_state(factory, data[1], SHARED)]
+    completed = finalize(location, metadata(SAVEPOINT_ID, handles))
+
+    local = fsspec.filesystem("file")
+    directory = norm(local, completed.external_pointer)
+    assert target == parent(directory)
+    assert sorted(["_metadata", *(name(norm(local, h.path)) for h in handles)]) == sorted(
+        os.listdir(directory)
+    )
+    resolved = storage.resolve_checkpoint(directory)
+    assert data == [read(h) for h in loaded_handles(load_checkpoint_metadata(resolved))]
+
+
+def test_savepoint_dispose_removes_its_directory_recursively(backend):
+    """dispose_on_failure() of a savepoint location and dispose_storage_location() of a
+    completed savepoint remove the savepoint directory and its files."""
+    access = make_storage(backend, backend.url("sp")).create_checkpoint_storage(JobID.generate())
+    failed = access.initialize_location_for_savepoint(1)
+    write_state(failed, payload(BIG, 1))
+    write_state(failed, payload(BIG, 2), SHARED)
+    done = access.initialize_location_for_savepoint(2)
+    completed = finalize(done, metadata(2, [write_state(done, payload(BIG, 3))]))
+    fs = fs_of(backend)
+    directories = [
+        norm(fs, decode_path_from_reference(failed.location_reference)),
+        norm(fs, completed.external_pointer),
+    ]
+
+    failed.dispose_on_failure()
+    completed.dispose_storage_location()
+
+    fs.invalidate_cache()
+    assert [(False, [])] * 2 == [(fs.exists(d), fs.find(d)) for d in directories]
+
+
 # --------------------------------------------------------------------------------------------
 #  relocation
 # --------------------------------------------------------------------------------------------
@@ -295,3 +348,25 @@ def test_copied_savepoint_directory_resolves_and_restores(backend):
             assert data == [read(h) for h in loaded_handles(loaded)]
             file_handles = [h for h in loaded_handles(loaded) if isinstance(h, FileStateHandle)]
             assert [norm(fs, moved_url)] * 3 == [parent(norm(fs, h.path)) for h in file_handles]
+
+
+def test_task_owned_state_of_a_savepoint_lands_in_the_savepoint_directory(backend):
+    """A worker's task-owned stream for a savepoint writes into the savepoint directory, and
+    the savepoint still restores after the directory is moved."""
+    access = make_storage(backend, backend.url("sp")).create_checkpoint_storage(JobID.generate())
+    location = access.initialize_location_for_savepoint(SAVEPOINT_ID)
+    worker = access.resolve_checkpoint_storage_location(SAVEPOINT_ID, location.location_reference)
+    data = payload(BIG, 3)
+    with worker.create_task_owned_state_stream() as out:
+        out.write(data)
+        handle = out.close_and_get_handle()
+    completed = finalize(location, metadata(SAVEPOINT_ID, [handle]))
+    fs = fs_of(backend)
+    moved = backend.url("moved")
+    fs.copy(norm(fs, completed.external_pointer), norm(fs, moved), recursive=True)
+    fs.invalidate_cache()
+
+    restored = loaded_handles(load_checkpoint_metadata(access.resolve_checkpoint(moved)))
+
+    assert norm(fs, completed.external_pointer) == parent(norm(fs, handle.path))
+    assert [data] == [read(h) for h in restored]

@@ -533,7 +533,9 @@ def test_close_and_get_handle_after_close_raises(backend):
 
 def test_close_never_raises_when_the_partial_file_vanished(tmp_path):
     """close() swallows failures: the partial file was already removed by someone else."""
-    job = make_job(_plain_backend("local", tmp_path), file_state_size_threshold=10, write_buffer_size=100)
+    job = make_job(
+        _plain_backend("local", tmp_path), file_state_size_threshold=10, write_buffer_size=100
+    )
     stream = job.stream()
     stream.write(random_bytes(5000))
     fs, path = fsspec.core.url_to_fs(job.exclusive_dir)
@@ -547,7 +549,9 @@ def test_close_never_raises_when_the_partial_file_vanished(tmp_path):
 
 def test_close_never_raises_when_the_directory_vanished(tmp_path):
     """close() swallows failures: the whole checkpoint directory was removed under it."""
-    job = make_job(_plain_backend("local", tmp_path), file_state_size_threshold=10, write_buffer_size=100)
+    job = make_job(
+        _plain_backend("local", tmp_path), file_state_size_threshold=10, write_buffer_size=100
+    )
     stream = job.stream()
     stream.write(random_bytes(5000))
     fs, path = fsspec.core.url_to_fs(job.exclusive_dir)
@@ -579,10 +583,9 @@ def test_exception_in_with_block_aborts_and_propagates(backend):
     job = make_job(backend, file_state_size_threshold=10, write_buffer_size=100)
     marker = RuntimeError("boom")
 
-    with pytest.raises(RuntimeError) as info:
-        with job.stream() as stream:
-            stream.write(random_bytes(5000))
-            raise marker
+    with pytest.raises(RuntimeError) as info, job.stream() as stream:
+        stream.write(random_bytes(5000))
+        raise marker
 
     assert marker is info.value
     assert [] == job.files(job.exclusive_dir)
@@ -633,7 +636,9 @@ def test_second_close_and_get_handle_raises(backend, size):
 def test_failed_create_raises_and_keeps_the_parent(tmp_path):
     """When the state file cannot be created (chk-7 was never initialized, and workers never
     create directories), the stream raises an OSError and deletes no directory."""
-    job = make_job(_plain_backend("local", tmp_path), file_state_size_threshold=1, write_buffer_size=1024)
+    job = make_job(
+        _plain_backend("local", tmp_path), file_state_size_threshold=1, write_buffer_size=1024
+    )
     job_dir = job.access.checkpoints_directory
     sentinel = tmp_path / "sentinel"
     sentinel.write_bytes(b"keep me")
@@ -659,7 +664,9 @@ def test_failed_create_raises_and_keeps_the_parent(tmp_path):
 def test_failed_create_does_not_delete_what_blocks_it(tmp_path):
     """If chk-7 is a file instead of a directory, creating state in it fails with an OSError
     and the file chk-7 is left alone (Flink testStreamDoesNotTryToCleanUpParentOnError)."""
-    job = make_job(_plain_backend("local", tmp_path), file_state_size_threshold=1, write_buffer_size=1024)
+    job = make_job(
+        _plain_backend("local", tmp_path), file_state_size_threshold=1, write_buffer_size=1024
+    )
     fs, job_path = fsspec.core.url_to_fs(job.access.checkpoints_directory)
     fs.pipe_file(job_path + "/chk-7", b"not a directory")
     stream = job.factory(7).create_checkpoint_state_output_stream(EXCLUSIVE)
@@ -770,10 +777,19 @@ def test_any_write_pattern_reads_back(threshold, buffer, chunks, flush_after):
 
 
 @pytest.mark.timeout(60)
-def test_many_threads_write_streams_through_one_access_object(backend):
-    """8 threads each write 50 streams through one access object at once; every handle reads
-    back its own bytes and every file has its own name."""
+@pytest.mark.parametrize("via", ["access", "location"])
+def test_many_threads_write_streams_through_one_access_object(backend, via):
+    """8 threads each write 50 streams at once, through one access object (each thread
+    resolving the location, as executors do) or one shared location object; every handle
+    reads back its own bytes and every file has its own name."""
     job = make_job(backend, file_state_size_threshold=1024, write_buffer_size=512)
+    shared_location = job.access.initialize_location_for_checkpoint(1)
+
+    def factory():
+        if via == "location":
+            return shared_location
+        return job.access.resolve_checkpoint_storage_location(1, DEFAULT_REF)
+
     threads, per_thread = 8, 50
     barrier = threading.Barrier(threads)
     results: dict[int, list] = {}
@@ -787,9 +803,7 @@ def test_many_threads_write_streams_through_one_access_object(backend):
             for i in range(per_thread):
                 scope = EXCLUSIVE if i % 3 else SHARED
                 data = rng.randbytes(rng.choice([0, 1, 100, 1024, 1025, 3000]))
-                stream = job.access.resolve_checkpoint_storage_location(
-                    1, DEFAULT_REF
-                ).create_checkpoint_state_output_stream(scope)
+                stream = factory().create_checkpoint_state_output_stream(scope)
                 write_mixed(stream, data, seed=t * 1000 + i)
                 mine.append((data, stream.close_and_get_handle()))
             results[t] = mine
@@ -851,9 +865,9 @@ def test_memory_storage_worker_view_gives_byte_handles():
     returns ByteStreamStateHandles."""
     access, _ = _memory_job()
 
-    stream = access.resolve_checkpoint_storage_location(1, DEFAULT_REF).create_checkpoint_state_output_stream(
-        EXCLUSIVE
-    )
+    stream = access.resolve_checkpoint_storage_location(
+        1, DEFAULT_REF
+    ).create_checkpoint_state_output_stream(EXCLUSIVE)
     stream.write(random_bytes(100_000))
     handle = stream.close_and_get_handle()
 
@@ -971,3 +985,19 @@ def _plain_backend(name: str, tmp_path) -> _PlainBackend:
     if name == "memory":
         return _memory_backend()
     return _PlainBackend("local", str(tmp_path / uuid.uuid4().hex), {})
+
+
+def test_a_stream_whose_write_failed_never_commits(tmp_path):
+    """A write that fails (here: chk-7 was never created) aborts the stream: no partial handle."""
+    storage = FileSystemCheckpointStorage(
+        str(tmp_path), file_state_size_threshold=100, write_buffer_size=100
+    )
+    access = storage.create_checkpoint_storage(JobID.generate())
+    stream = access.resolve_checkpoint_storage_location(
+        7, DEFAULT_REF
+    ).create_checkpoint_state_output_stream(EXCLUSIVE)
+    stream.write(b"a" * 50)
+    with pytest.raises(FileNotFoundError):
+        stream.write(b"b" * 60)
+    with pytest.raises(StreamClosedError):
+        stream.close_and_get_handle()

@@ -19,19 +19,17 @@ import pytest
 from checkpoint_storage import (
     ByteStreamStateHandle,
     CheckpointedStateScope,
-    CheckpointMetadata,
     CheckpointNotFoundError,
     CheckpointStorageLocationReference,
     FileStateHandle,
     FileSystemCheckpointStorage,
     JobID,
-    OperatorState,
-    OperatorSubtaskState,
     RelativeFileStateHandle,
     encode_path_as_reference,
     load_checkpoint_metadata,
     store_checkpoint_metadata,
 )
+from tests.support import finalize, loaded_handles, metadata, norm, parent, read, write_state
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
@@ -66,56 +64,11 @@ def fs_of(backend):
     return fs
 
 
-def norm(fs, url: str) -> str:
-    """A URL or path as the filesystem's own path, without protocol or trailing slash."""
-    return type(fs)._strip_protocol(url).rstrip("/")
-
-
-def parent(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[0]
-
-
-def read(handle) -> bytes:
-    stream = handle.open()
-    try:
-        return stream.read()
-    finally:
-        stream.close()
-
-
-def write_state(factory, data: bytes, scope=EXCLUSIVE):
-    with factory.create_checkpoint_state_output_stream(scope) as out:
-        out.write(data)
-        return out.close_and_get_handle()
-
-
-def metadata(checkpoint_id: int, handles=(), master: bytes = b"pos-0") -> CheckpointMetadata:
-    return CheckpointMetadata(
-        checkpoint_id=checkpoint_id,
-        operator_states=(
-            OperatorState(
-                "op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}
-            ),
-        ),
-        master_states={"pos": master},
-    )
-
-
-def finalize(location, md: CheckpointMetadata):
-    out = location.create_metadata_output_stream()
-    store_checkpoint_metadata(md, out)
-    return out.close_and_finalize_checkpoint()
-
-
 def complete_checkpoint(access, checkpoint_id: int, states=(), master: bytes = b"pos-0"):
     location = access.initialize_location_for_checkpoint(checkpoint_id)
     handles = [write_state(location, data) for data in states]
     md = metadata(checkpoint_id, handles, master)
     return finalize(location, md), md
-
-
-def loaded_handles(md: CheckpointMetadata):
-    return list(md.operator_states[0].subtask_states[0].handles)
 
 
 def new_access(backend, job=None, **kwargs):

@@ -18,17 +18,15 @@ import pytest
 from checkpoint_storage import (
     ByteStreamStateHandle,
     CheckpointedStateScope,
-    CheckpointMetadata,
     CheckpointStorageLocationReference,
     FileSystemCheckpointStorage,
     JobID,
     MemoryCheckpointStorage,
-    OperatorState,
-    OperatorSubtaskState,
     decode_path_from_reference,
     load_checkpoint_metadata,
     store_checkpoint_metadata,
 )
+from tests.support import finalize, loaded_handles, metadata, norm, parent, read, write_state
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
@@ -58,50 +56,6 @@ def fs_for(url: str):
     fs, _ = fsspec.core.url_to_fs(url)
     fs.invalidate_cache()
     return fs
-
-
-def norm(fs, url: str) -> str:
-    return type(fs)._strip_protocol(url).rstrip("/")
-
-
-def parent(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[0]
-
-
-def read(handle) -> bytes:
-    stream = handle.open()
-    try:
-        return stream.read()
-    finally:
-        stream.close()
-
-
-def write_state(factory, data: bytes, scope=EXCLUSIVE):
-    with factory.create_checkpoint_state_output_stream(scope) as out:
-        out.write(data)
-        return out.close_and_get_handle()
-
-
-def metadata(checkpoint_id: int, handles=(), master: bytes = b"pos-0") -> CheckpointMetadata:
-    return CheckpointMetadata(
-        checkpoint_id=checkpoint_id,
-        operator_states=(
-            OperatorState(
-                "op", 1, subtask_states={0: OperatorSubtaskState(handles=tuple(handles))}
-            ),
-        ),
-        master_states={"pos": master},
-    )
-
-
-def finalize(location, md: CheckpointMetadata):
-    out = location.create_metadata_output_stream()
-    store_checkpoint_metadata(md, out)
-    return out.close_and_finalize_checkpoint()
-
-
-def loaded_handles(md: CheckpointMetadata):
-    return list(md.operator_states[0].subtask_states[0].handles)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,3 @@
-# ruff: noqa: SIM300  (assertions read `expected == actual`)
 """S3 request counts of the checkpoint path, measured on moto's server log (DESIGN §3.3).
 
 The coordinator creates the directories once; everything after that is counted: the worker

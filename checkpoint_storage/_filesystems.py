@@ -81,10 +81,6 @@ def parent_and_name(url: str) -> tuple[str, str]:
     return parent, name
 
 
-def is_local(fs: AbstractFileSystem) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
 def check_pointer(pointer: object) -> str:
     """Reject pointers that could walk out of where they name, before any I/O."""
     pointer = _check_url_text(pointer, "checkpoint pointer")
@@ -388,9 +384,3 @@ def _put_if_absent_local(path: str, data: bytes) -> None:
             "survive a crash of this machine"
         ) from exc
 
-
-def read_bounded(fs: AbstractFileSystem, path: str, limit: int) -> bytes:
-    """Read a whole file of at most ``limit`` bytes; a larger one is refused unread."""
-    with fs.open(path, "rb") as f:
-        data = f.read(limit + 1)
-    return data

@@ -8,7 +8,7 @@ from typing import BinaryIO
 
 from fsspec import AbstractFileSystem
 
-from checkpoint_storage._filesystems import parent_and_name, url_to_fs
+from checkpoint_storage._filesystems import url_to_fs
 from checkpoint_storage.exceptions import StateIntegrityError
 
 __all__ = [
@@ -166,10 +166,6 @@ class RelativeFileStateHandle(FileStateHandle):
         if relative_path is None:
             raise TypeError("relative_path must not be None")
         self.relative_path = relative_path
-
-    @property
-    def directory(self) -> str:
-        return parent_and_name(self.path)[0]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RelativeFileStateHandle):

@@ -39,10 +39,20 @@ from checkpoint_storage._references import (
     decode_path_from_reference,
     encode_path_as_reference,
 )
+from checkpoint_storage._retention import CheckpointRetentionPolicy, JobStatus, RestoreMode
+from checkpoint_storage._shared_state import SharedStateRegistry
 from checkpoint_storage._storage import (
     CheckpointStorage,
     FileSystemCheckpointStorage,
     MemoryCheckpointStorage,
+)
+from checkpoint_storage._store import (
+    CompletedCheckpoint,
+    CompletedCheckpointStore,
+    FileSystemCompletedCheckpointStore,
+    StandaloneCompletedCheckpointStore,
+    abort_checkpoint,
+    discard_checkpoint,
 )
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
 from checkpoint_storage.exceptions import (
@@ -67,6 +77,7 @@ __all__ = [
     "CheckpointMetadataOutputStream",
     "CheckpointNotFoundError",
     "CheckpointProperties",
+    "CheckpointRetentionPolicy",
     "CheckpointStateOutputStream",
     "CheckpointStateToolset",
     "CheckpointStorage",
@@ -79,24 +90,33 @@ __all__ = [
     "CheckpointStreamFactory",
     "CheckpointedStateScope",
     "CommitStateUnknownError",
+    "CompletedCheckpoint",
     "CompletedCheckpointStorageLocation",
+    "CompletedCheckpointStore",
     "FileStateHandle",
     "FileSystemCheckpointStorage",
+    "FileSystemCompletedCheckpointStore",
     "InvalidCheckpointError",
     "JobID",
+    "JobStatus",
     "MemoryCheckpointStorage",
     "OperatorState",
     "OperatorSubtaskState",
     "RelativeFileStateHandle",
+    "RestoreMode",
     "SavepointFormatType",
+    "SharedStateRegistry",
     "SnapshotType",
+    "StandaloneCompletedCheckpointStore",
     "StateIntegrityError",
     "StateSizeExceededError",
     "StreamClosedError",
     "StreamStateHandle",
     "UnsafePathError",
     "UnsupportedFileSystemError",
+    "abort_checkpoint",
     "decode_path_from_reference",
+    "discard_checkpoint",
     "encode_path_as_reference",
     "load_checkpoint_metadata",
     "store_checkpoint_metadata",

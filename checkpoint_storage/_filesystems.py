@@ -15,6 +15,7 @@ import secrets
 import string
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 from fsspec import AbstractFileSystem
@@ -117,16 +118,21 @@ def check_relative_path(relative_path: str) -> str:
 class PathRoots:
     """The directories that state paths read from storage must stay within.
 
-    ``roots`` are canonical directory URLs; ``patterns`` are regular expressions of
-    entropy-injected directories. A path passes when it lies strictly below one of them and
-    has no ``.``, ``..`` or empty segment.
+    ``roots`` are canonical directory URLs; ``patterns[i]`` is a regular expression of the
+    entropy-injected forms of ``roots[i]`` (or None). A path passes when it lies strictly
+    below one of them and has no ``.``, ``..`` or empty segment. For a checkpoint the roots
+    are, in this order, its own directory, its job's ``shared/`` and ``taskowned/``.
     """
 
     __slots__ = ("roots", "patterns")
 
-    def __init__(self, roots: tuple[str, ...], patterns: tuple[str, ...] = ()) -> None:
+    OWN, SHARED, TASK_OWNED = 0, 1, 2
+
+    def __init__(self, roots: tuple[str, ...], patterns: tuple[str | None, ...] = ()) -> None:
         self.roots = tuple(r.rstrip("/") for r in roots)
-        self.patterns = tuple(patterns)
+        self.patterns = tuple(patterns) or (None,) * len(self.roots)
+        if len(self.patterns) != len(self.roots):
+            raise ValueError("one entropy pattern (or None) per root")
 
     def __getstate__(self):
         return (self.roots, self.patterns)
@@ -143,21 +149,27 @@ class PathRoots:
     def __hash__(self) -> int:
         return hash((self.roots, self.patterns))
 
-    def check(self, url: str) -> str:
+    def index_of(self, url: str) -> int | None:
+        """Which root ``url`` lies below (see OWN, SHARED, TASK_OWNED), or None."""
         if not isinstance(url, str) or _CONTROL_CHARS.search(url) or "\\" in url:
-            raise UnsafePathError(f"state path {url!r} is not a valid path")
-        for root in self.roots:
+            return None
+        for index, (root, pattern) in enumerate(zip(self.roots, self.patterns, strict=True)):
             if url.startswith(root + "/") and _clean_tail(url[len(root) + 1 :]):
-                return url
-        for pattern in self.patterns:
-            match = re.match(pattern, url)
-            if match and _clean_tail(url[match.end() :]):
-                return url
-        raise UnsafePathError(
-            f"state path {url!r} lies outside the checkpoint's directories "
-            f"{list(self.roots)}: the _metadata was not written for this location or was "
-            "tampered with; refusing to read or delete it"
-        )
+                return index
+            if pattern is not None:
+                match = re.match(pattern, url)
+                if match and _clean_tail(url[match.end() :]):
+                    return index
+        return None
+
+    def check(self, url: str) -> str:
+        if self.index_of(url) is None:
+            raise UnsafePathError(
+                f"state path {url!r} lies outside the checkpoint's directories "
+                f"{list(self.roots)}: the _metadata was not written for this location or was "
+                "tampered with; refusing to read or delete it"
+            )
+        return url
 
 
 def _clean_tail(tail: str) -> bool:
@@ -177,10 +189,9 @@ def roots_for_directory(directory_url: str, entropy: "EntropyInjector | None" = 
     if not _CHK_DIR.fullmatch(name):
         return PathRoots((directory_url,))
     dirs = (directory_url, join(parent, "shared"), join(parent, "taskowned"))
-    patterns: tuple[str, ...] = ()
-    if entropy is not None:
-        patterns = tuple(p for d in dirs if (p := entropy.directory_pattern(d)) is not None)
-    return PathRoots(dirs, patterns)
+    if entropy is None:
+        return PathRoots(dirs)
+    return PathRoots(dirs, tuple(entropy.directory_pattern(d) for d in dirs))
 
 
 # --- entropy injection -------------------------------------------------------------------
@@ -262,6 +273,46 @@ def delete_recursively(fs: AbstractFileSystem, path: str) -> None:
         pass
     finally:
         fs.invalidate_cache(path)
+
+
+DEFAULT_DELETE_PARALLELISM = 16
+
+
+def delete_files(
+    fs: AbstractFileSystem, paths: list[str], max_workers: int = DEFAULT_DELETE_PARALLELISM
+) -> list[str]:
+    """Delete many files (stripped paths) in parallel, bounded by ``max_workers``; missing
+    files count as deleted. Every deletion is tried; then the first error is raised (a note
+    says how many failed). Returns the paths deleted.
+
+    S3 gets batched DeleteObjects requests (s3fs bulk ``rm``); other filesystems a bounded
+    thread pool of single deletes.
+    """
+    if not paths:
+        return []
+    if "s3" in _protocols(fs):
+        fs.rm(list(paths))
+        return list(paths)
+    errors: list[BaseException] = []
+
+    def delete(path: str) -> None:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - collected, the first is raised below
+            errors.append(exc)
+
+    if len(paths) == 1 or max_workers <= 1:
+        for path in paths:
+            delete(path)
+    else:
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
+            list(pool.map(delete, paths))
+    if errors:
+        errors[0].add_note(f"{len(errors)} of {len(paths)} deletions failed")
+        raise errors[0]
+    return list(paths)
 
 
 # --- put-if-absent -----------------------------------------------------------------------
@@ -383,4 +434,3 @@ def _put_if_absent_local(path: str, data: bytes) -> None:
             f"{path} was linked but its directory could not be synced ({exc}): it may not "
             "survive a crash of this machine"
         ) from exc
-

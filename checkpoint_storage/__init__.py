@@ -11,6 +11,7 @@ from checkpoint_storage._access import (
     CheckpointStorageCoordinatorView,
     CheckpointStorageWorkerView,
 )
+from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
@@ -96,6 +97,7 @@ __all__ = [
     "FileStateHandle",
     "FileSystemCheckpointStorage",
     "FileSystemCompletedCheckpointStore",
+    "GarbageCollectionResult",
     "InvalidCheckpointError",
     "JobID",
     "JobStatus",
@@ -115,6 +117,7 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedFileSystemError",
     "abort_checkpoint",
+    "collect_garbage",
     "decode_path_from_reference",
     "discard_checkpoint",
     "encode_path_as_reference",

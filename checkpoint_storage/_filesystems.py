@@ -276,6 +276,7 @@ def delete_recursively(fs: AbstractFileSystem, path: str) -> None:
 
 
 DEFAULT_DELETE_PARALLELISM = 16
+_S3_DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
 
 
 def delete_files(
@@ -285,34 +286,69 @@ def delete_files(
     files count as deleted. Every deletion is tried; then the first error is raised (a note
     says how many failed). Returns the paths deleted.
 
-    S3 gets batched DeleteObjects requests (s3fs bulk ``rm``); other filesystems a bounded
-    thread pool of single deletes.
+    S3 gets batched DeleteObjects requests, whose per-key errors are checked; other
+    filesystems a bounded thread pool of single deletes. Names are never glob patterns.
     """
+    paths = list(paths)
     if not paths:
         return []
-    if "s3" in _protocols(fs):
-        fs.rm(list(paths))
-        return list(paths)
     errors: list[BaseException] = []
+    if "s3" in _protocols(fs):
+        batches = _s3_delete_batches(fs, paths)
+        tasks = [lambda batch=batch: _s3_delete_batch(fs, *batch) for batch in batches]
+    else:
+        tasks = [lambda path=path: _delete_one(fs, path) for path in paths]
 
-    def delete(path: str) -> None:
+    def run(task) -> None:
         try:
-            fs.rm_file(path)
-        except FileNotFoundError:
-            pass
+            task()
         except Exception as exc:  # noqa: BLE001 - collected, the first is raised below
             errors.append(exc)
 
-    if len(paths) == 1 or max_workers <= 1:
-        for path in paths:
-            delete(path)
+    if len(tasks) == 1 or max_workers <= 1:
+        for task in tasks:
+            run(task)
     else:
-        with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
-            list(pool.map(delete, paths))
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(tasks))) as pool:
+            list(pool.map(run, tasks))
     if errors:
-        errors[0].add_note(f"{len(errors)} of {len(paths)} deletions failed")
+        errors[0].add_note(f"{len(errors)} of {len(tasks)} deletions failed")
         raise errors[0]
-    return list(paths)
+    return paths
+
+
+def _delete_one(fs: AbstractFileSystem, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(path)
+
+
+def _s3_delete_batches(fs, paths: list[str]) -> list[tuple[str, list[str]]]:
+    by_bucket: dict[str, list[str]] = {}
+    for path in paths:
+        bucket, key, _ = fs.split_path(path)
+        by_bucket.setdefault(bucket, []).append(key)
+    return [
+        (bucket, keys[i : i + _S3_DELETE_BATCH])
+        for bucket, keys in by_bucket.items()
+        for i in range(0, len(keys), _S3_DELETE_BATCH)
+    ]
+
+
+def _s3_delete_batch(fs, bucket: str, keys: list[str]) -> None:
+    response = fs.call_s3(
+        "delete_objects",
+        Bucket=bucket,
+        Delete={"Objects": [{"Key": key} for key in keys], "Quiet": True},
+    )
+    for key in keys:
+        fs.invalidate_cache(f"{bucket}/{key}")
+    failed = response.get("Errors") or []
+    if failed:
+        first = failed[0]
+        raise OSError(
+            f"S3 refused to delete {len(failed)} of {len(keys)} objects in {bucket}; first: "
+            f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}".rstrip()
+        )
 
 
 # --- put-if-absent -----------------------------------------------------------------------

@@ -56,6 +56,16 @@ from checkpoint_storage._store import (
     discard_checkpoint,
 )
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
+from checkpoint_storage._tools import (
+    CheckpointInfo,
+    VerificationProblem,
+    VerificationReport,
+    copy_savepoint,
+    dispose_savepoint,
+    latest_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
     CheckpointCommitFailedError,
@@ -74,6 +84,7 @@ __all__ = [
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
     "CheckpointCommitFailedError",
+    "CheckpointInfo",
     "CheckpointMetadata",
     "CheckpointMetadataOutputStream",
     "CheckpointNotFoundError",
@@ -116,11 +127,18 @@ __all__ = [
     "StreamStateHandle",
     "UnsafePathError",
     "UnsupportedFileSystemError",
+    "VerificationProblem",
+    "VerificationReport",
     "abort_checkpoint",
     "collect_garbage",
+    "copy_savepoint",
     "decode_path_from_reference",
     "discard_checkpoint",
+    "dispose_savepoint",
     "encode_path_as_reference",
+    "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint_metadata",
     "store_checkpoint_metadata",
+    "verify_checkpoint",
 ]

@@ -1,0 +1,756 @@
+"""Operator tools over completed checkpoints and savepoints: verify, list, find the latest,
+dispose and copy savepoints. The ``checkpoints`` command (``checkpoint_storage.cli``) is a thin
+layer over these functions.
+
+Functions that take a pointer or directory take the fsspec ``storage_options`` of its
+filesystem (e.g. an S3 ``endpoint_url``); they go to fsspec and are never put into messages.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+from checkpoint_storage._access import resolve_checkpoint_pointer
+from checkpoint_storage._filesystems import (
+    METADATA_FILE_NAME,
+    abort_file,
+    check_relative_path,
+    delete_files,
+    delete_recursively,
+    join,
+    parent_and_name,
+    put_if_absent,
+    to_url,
+    url_to_fs,
+)
+from checkpoint_storage._handles import (
+    ByteStreamStateHandle,
+    FileStateHandle,
+    RelativeFileStateHandle,
+    StreamStateHandle,
+)
+from checkpoint_storage._ids import JobID
+from checkpoint_storage._locations import CompletedCheckpointStorageLocation
+from checkpoint_storage._metadata import (
+    MAX_METADATA_SIZE,
+    CheckpointMetadata,
+    OperatorState,
+    OperatorSubtaskState,
+    SnapshotType,
+    decode_metadata,
+    encode_metadata,
+)
+from checkpoint_storage._storage import FileSystemCheckpointStorage
+from checkpoint_storage.exceptions import (
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+    StateIntegrityError,
+    UnsafePathError,
+)
+
+__all__ = [
+    "CheckpointInfo",
+    "VerificationProblem",
+    "VerificationReport",
+    "copy_savepoint",
+    "dispose_savepoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
+
+logger = logging.getLogger("checkpoint_storage")
+
+Progress = Callable[[int, int], None]
+"""``progress(done_bytes, total_bytes)``, called from worker threads as bytes move."""
+
+VERIFY_PARALLELISM = 8
+COPY_PARALLELISM = 4
+LIST_PARALLELISM = 8
+_CHUNK = 1 << 20
+
+_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
+_SAVEPOINT_DIR = re.compile(r"savepoint-([0-9a-f]{6})-[0-9a-f]+")
+_JOB_DIR = re.compile(r"[0-9a-f]{32}")
+
+KIND_CHECKPOINT = "checkpoint"
+KIND_FULL_CHECKPOINT = "full checkpoint"
+KIND_SAVEPOINT = "savepoint"
+STATUS_COMPLETED = "completed"
+STATUS_INVALID = "invalid"
+STATUS_IN_PROGRESS = "in-progress"
+
+_KINDS = {
+    SnapshotType.CHECKPOINT: KIND_CHECKPOINT,
+    SnapshotType.FULL_CHECKPOINT: KIND_FULL_CHECKPOINT,
+    SnapshotType.SAVEPOINT: KIND_SAVEPOINT,
+}
+
+
+def snapshot_kind(metadata: CheckpointMetadata) -> str:
+    """ "checkpoint", "full checkpoint" or "savepoint"."""
+    return _KINDS[metadata.properties.snapshot_type]
+
+
+def _resolve(pointer: str, storage_options: dict | None) -> CompletedCheckpointStorageLocation:
+    return resolve_checkpoint_pointer(pointer, dict(storage_options or {}))
+
+
+def _unique_file_handles(handles: Iterable[StreamStateHandle]) -> list[FileStateHandle]:
+    seen: dict[tuple, FileStateHandle] = {}
+    for handle in handles:
+        if isinstance(handle, FileStateHandle):
+            seen.setdefault((handle.path, handle.state_size, handle.checksum), handle)
+    return list(seen.values())
+
+
+class _ProgressCounter:
+    """Thread-safe running total that reports to an optional progress callback (called under
+    a lock, so it must be quick)."""
+
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total = total
+        self.done = 0
+        self._progress = progress
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:  # reports in order: ``done`` never goes backwards
+            self.done += n
+            if self._progress is not None and n:
+                self._progress(self.done, self.total)
+
+    def start(self) -> None:
+        if self._progress is not None:
+            self._progress(0, self.total)
+
+
+# --- verify ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerificationProblem:
+    """One state handle that could not be verified: ``kind`` is ``"missing"`` (the file does
+    not exist), ``"corrupt"`` (size or checksum differ) or ``"unreadable"`` (an I/O error,
+    which says nothing about the file itself)."""
+
+    path: str
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class VerificationReport:
+    """What ``verify_checkpoint`` read, and every handle that failed."""
+
+    pointer: str
+    checkpoint_id: int
+    handles_checked: int
+    bytes_read: int
+    problems: tuple[VerificationProblem, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _handle_label(handle: StreamStateHandle) -> str:
+    if isinstance(handle, FileStateHandle):
+        return handle.path
+    if isinstance(handle, ByteStreamStateHandle):
+        return f"inline:{handle.handle_name}"
+    return repr(handle)
+
+
+def _read_to_end(handle: StreamStateHandle, counter: _ProgressCounter) -> int:
+    read = 0
+    with handle.open() as stream:
+        while chunk := stream.read(_CHUNK):
+            read += len(chunk)
+            counter.add(len(chunk))
+    return read
+
+
+def _problem(handle: StreamStateHandle, exc: BaseException) -> VerificationProblem:
+    path = _handle_label(handle)
+    if isinstance(exc, InvalidCheckpointError | UnsafePathError):
+        return VerificationProblem(path, "corrupt", _one_line(exc))
+    if isinstance(exc, FileNotFoundError):
+        return VerificationProblem(path, "missing", f"state file {path} does not exist")
+    reason = _one_line(exc) or type(exc).__name__
+    return VerificationProblem(path, "unreadable", f"could not read {path}: {reason}")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def verify_checkpoint(
+    completed_location: CompletedCheckpointStorageLocation,
+    *,
+    progress: Progress | None = None,
+    max_workers: int = VERIFY_PARALLELISM,
+) -> VerificationReport:
+    """Load `_metadata` and read every state handle to its end, so that each file's size and
+    CRC-32 are checked. Every handle is tried (``max_workers`` at a time); each failure is one
+    problem in the report. An invalid `_metadata` raises ``InvalidCheckpointError``."""
+    metadata = completed_location.load_metadata()
+    handles = metadata.all_handles()
+    # A file referenced twice with the same size and checksum is read once.
+    unique: dict[object, StreamStateHandle] = {}
+    for handle in handles:
+        key = (
+            ("file", handle.path, handle.state_size, handle.checksum)
+            if isinstance(handle, FileStateHandle)
+            else ("other", id(handle))
+        )
+        unique.setdefault(key, handle)
+    to_check = list(unique.values())
+    counter = _ProgressCounter(sum(h.state_size for h in to_check), progress)
+    counter.start()
+
+    def check(handle: StreamStateHandle) -> tuple[int, VerificationProblem | None]:
+        try:
+            return _read_to_end(handle, counter), None
+        except Exception as exc:  # noqa: BLE001 - one problem per handle, never the first only
+            return 0, _problem(handle, exc)
+
+    if len(to_check) <= 1 or max_workers <= 1:
+        results = [check(h) for h in to_check]
+    else:
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(to_check))) as pool:
+            results = list(pool.map(check, to_check))
+    return VerificationReport(
+        pointer=completed_location.external_pointer,
+        checkpoint_id=metadata.checkpoint_id,
+        handles_checked=len(handles),
+        bytes_read=sum(n for n, _ in results),
+        problems=tuple(p for _, p in results if p is not None),
+    )
+
+
+# --- dispose -----------------------------------------------------------------------------
+
+
+def dispose_savepoint(
+    pointer: str, *, storage_options: dict | None = None, force: bool = False
+) -> None:
+    """Delete a savepoint in Flink's order (``Checkpoints.disposeSavepoint``): resolve it,
+    load `_metadata` to learn its state, delete `_metadata` first (from then on the savepoint
+    is no longer addressable, even if the rest fails), discard every state handle (in
+    parallel), then delete the directory. A failure to delete `_metadata` is raised at once
+    and nothing else is touched; later failures are collected and the first is raised after
+    everything was tried.
+
+    A pointer whose `_metadata` says it is a checkpoint is refused (``ValueError``) unless
+    ``force``; even then only files inside its own directory are deleted, never the job's
+    ``shared/`` or ``taskowned/`` state, which other checkpoints may reference.
+    """
+    completed = _resolve(pointer, storage_options)
+    metadata = completed.load_metadata()
+    if not metadata.properties.is_savepoint() and not force:
+        raise ValueError(
+            f"{completed.external_pointer} is a {snapshot_kind(metadata)}, not a savepoint: "
+            "checkpoints are disposed by their job's retention; pass force=True "
+            "(--force) to dispose it anyway"
+        )
+    directory = completed.external_pointer
+    metadata_handle = completed.metadata_handle
+    # 1. `_metadata` first: a failure here leaves the savepoint intact and addressable.
+    metadata_handle.discard_state()
+
+    errors: list[BaseException] = []
+    # 2. the state, in parallel, grouped by filesystem.
+    by_fs: dict[int, tuple[AbstractFileSystem, list[str]]] = {}
+    outside = []
+    for handle in _unique_file_handles(metadata.all_handles()):
+        if not handle.path.startswith(directory.rstrip("/") + "/"):
+            outside.append(handle.path)
+            continue
+        fs = handle.filesystem
+        by_fs.setdefault(id(fs), (fs, []))[1].append(fs._strip_protocol(handle.path))
+    if outside:
+        logger.warning(
+            "not deleting %d state file(s) outside %s (shared or task-owned state other "
+            "checkpoints may reference; garbage collection reclaims them), e.g. %s",
+            len(outside),
+            directory,
+            outside[0],
+        )
+    for fs, paths in by_fs.values():
+        try:
+            delete_files(fs, paths)
+        except Exception as exc:  # noqa: BLE001 - collected, the first is raised below
+            errors.append(exc)
+    # 3. the directory (and whatever else is left in it).
+    try:
+        completed.dispose_storage_location()
+    except Exception as exc:  # noqa: BLE001
+        errors.append(exc)
+    if errors:
+        first = errors[0]
+        if len(errors) > 1:
+            first.add_note(f"{len(errors) - 1} more error(s) while disposing {directory}")
+        raise first
+
+
+# --- copy --------------------------------------------------------------------------------
+
+
+def _read_metadata_bytes(completed: CompletedCheckpointStorageLocation) -> bytes:
+    handle = completed.metadata_handle
+    if handle.state_size > MAX_METADATA_SIZE:
+        raise InvalidCheckpointError(
+            f"{completed.external_pointer}/_metadata has {handle.state_size} bytes, more than "
+            f"the {MAX_METADATA_SIZE} a valid `_metadata` may have"
+        )
+    try:
+        with handle.open() as f:
+            return f.read(MAX_METADATA_SIZE + 1)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{completed.external_pointer}/_metadata disappeared while it was read"
+        ) from exc
+
+
+def _relocatable_metadata(
+    metadata: CheckpointMetadata, directory: str, data: bytes
+) -> tuple[bytes, list[tuple[FileStateHandle, str]]]:
+    """The `_metadata` bytes for the copy and each state file with its path relative to the
+    savepoint directory. Absolute handles inside the directory are rewritten as relative ones;
+    absolute handles outside it are refused."""
+    prefix = directory.rstrip("/") + "/"
+    files: dict[str, tuple[FileStateHandle, str]] = {}
+    rewritten = False
+
+    def relocate(handle: StreamStateHandle) -> StreamStateHandle:
+        nonlocal rewritten
+        if not isinstance(handle, FileStateHandle):
+            return handle
+        if isinstance(handle, RelativeFileStateHandle):
+            relative = handle.relative_path
+        elif handle.path.startswith(prefix):
+            relative = check_relative_path(handle.path[len(prefix) :])
+            rewritten = True
+            handle = RelativeFileStateHandle(
+                handle.path,
+                relative,
+                handle.state_size,
+                handle.checksum,
+                filesystem=handle.filesystem,
+            )
+        else:
+            raise ValueError(
+                f"state file {handle.path} lies outside the savepoint directory {directory}: "
+                "a copy of the directory would not contain it; refusing to copy"
+            )
+        previous = files.setdefault(relative, (handle, relative))[0]
+        if (previous.state_size, previous.checksum) != (handle.state_size, handle.checksum):
+            raise InvalidCheckpointError(
+                f"{directory}: two handles name {relative} with different sizes or checksums"
+            )
+        return handle
+
+    operators = tuple(
+        OperatorState(
+            op.operator_id,
+            op.parallelism,
+            op.max_parallelism,
+            {
+                index: OperatorSubtaskState(
+                    tuple(relocate(h) for h in subtask.handles), subtask.properties
+                )
+                for index, subtask in op.subtask_states.items()
+            },
+        )
+        for op in metadata.operator_states
+    )
+    if rewritten:
+        data = encode_metadata(
+            CheckpointMetadata(
+                metadata.checkpoint_id,
+                operators,
+                metadata.master_states,
+                metadata.properties,
+                metadata.job_id,
+                metadata.timestamp_ms,
+            )
+        )
+    return data, list(files.values())
+
+
+def _copy_file(
+    handle: FileStateHandle,
+    target_fs: AbstractFileSystem,
+    target_path: str,
+    counter: _ProgressCounter,
+) -> None:
+    """Stream one state file across filesystems; the source is verified as it is read."""
+    with handle.open() as source:
+        out = target_fs.open(target_path, "wb")
+        try:
+            while chunk := source.read(_CHUNK):
+                out.write(chunk)
+                counter.add(len(chunk))
+            out.close()
+        except BaseException:
+            abort_file(target_fs, out, target_path)
+            raise
+
+
+def copy_savepoint(
+    pointer: str,
+    target_directory: str,
+    *,
+    storage_options: dict | None = None,
+    target_storage_options: dict | None = None,
+    progress: Progress | None = None,
+    max_workers: int = COPY_PARALLELISM,
+) -> str:
+    """Copy a savepoint into ``target_directory`` (any filesystem, e.g. local disk to S3) and
+    return the pointer of the copy, ``<target_directory>/<savepoint directory name>``.
+
+    Every state file is streamed across (verified while read); `_metadata` is published last,
+    with put-if-absent, so the copy is complete or invisible; then the copy is verified.
+    ``target_storage_options`` default to ``storage_options``. Raises ``FileExistsError`` when
+    the copy's directory exists, ``ValueError`` for a checkpoint (not a savepoint) or a state
+    file outside the savepoint directory.
+    """
+    completed = _resolve(pointer, storage_options)
+    source_dir = completed.external_pointer
+    data = _read_metadata_bytes(completed)
+    source_fs = url_to_fs(source_dir, dict(storage_options or {}))[0]
+    metadata = decode_metadata(
+        data,
+        source=join(source_dir, METADATA_FILE_NAME),
+        directory=source_dir,
+        roots=completed.roots,
+        filesystem=source_fs,
+    )
+    if not metadata.properties.is_savepoint():
+        raise ValueError(
+            f"{source_dir} is a {snapshot_kind(metadata)}, not a savepoint: its state may "
+            "live in the job's shared directory; take a savepoint and copy that"
+        )
+    data, files = _relocatable_metadata(metadata, source_dir, data)
+
+    target_options = dict(
+        (storage_options if target_storage_options is None else target_storage_options) or {}
+    )
+    target_fs, target_base = url_to_fs(target_directory, target_options)
+    name = parent_and_name(source_dir)[1]
+    new_path = join(target_base, name)
+    new_url = to_url(target_fs, new_path)
+    target_base_url = to_url(target_fs, target_base)
+    if type(target_fs) is type(source_fs) and (
+        target_base_url == source_dir or target_base_url.startswith(source_dir.rstrip("/") + "/")
+    ):
+        raise ValueError(f"cannot copy {source_dir} into itself ({target_base_url})")
+    target_fs.invalidate_cache(new_path)
+    try:
+        target_fs.info(new_path)
+    except FileNotFoundError:
+        pass
+    else:
+        raise FileExistsError(
+            f"{new_url} already exists: remove it or choose another target directory"
+        )
+
+    target_fs.makedirs(new_path, exist_ok=True)
+    counter = _ProgressCounter(sum(h.state_size for h, _ in files), progress)
+    counter.start()
+    if isinstance(target_fs, LocalFileSystem):
+        for parent in {parent_and_name(join(new_path, r))[0] for _, r in files}:
+            target_fs.makedirs(parent, exist_ok=True)
+
+    errors: list[BaseException] = []
+
+    def copy(item: tuple[FileStateHandle, str]) -> None:
+        handle, relative = item
+        try:
+            _copy_file(handle, target_fs, join(new_path, relative), counter)
+        except Exception as exc:  # noqa: BLE001 - collected, the first is raised below
+            errors.append(exc)
+
+    if len(files) <= 1 or max_workers <= 1:
+        for item in files:
+            copy(item)
+    else:
+        with ThreadPoolExecutor(max_workers=min(max_workers, len(files))) as pool:
+            list(pool.map(copy, files))
+    if not errors:
+        try:
+            put_if_absent(target_fs, join(new_path, METADATA_FILE_NAME), data)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    if errors:
+        # `_metadata` was not published: nothing addresses the partial copy. Remove it.
+        with contextlib.suppress(Exception):
+            delete_recursively(target_fs, new_path)
+        raise errors[0]
+
+    report = verify_checkpoint(_resolve(new_url, target_options))
+    if not report.ok:
+        first = report.problems[0]
+        raise StateIntegrityError(
+            f"the copy {new_url} failed verification ({len(report.problems)} problem(s); "
+            f"first: {first.reason}); it is left in place for inspection: dispose it"
+        )
+    return new_url
+
+
+# --- list --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One ``chk-<id>`` or ``savepoint-*`` directory found by ``list_checkpoints``.
+
+    ``status`` is ``"completed"`` (valid `_metadata`), ``"invalid"`` (`_metadata` present but
+    not valid: ``reason`` says why) or ``"in-progress"`` (no `_metadata` yet, or never).
+    ``state_size`` and ``file_count`` come from `_metadata` for a completed checkpoint (inline
+    state included in the size; files counted once); otherwise ``state_size`` is None and
+    ``file_count`` is the number of files present in the directory. ``modified`` is when
+    `_metadata` was last modified (UTC), if the filesystem says.
+    """
+
+    pointer: str
+    kind: str
+    checkpoint_id: int | None
+    status: str
+    job_id: str | None = None
+    reason: str | None = None
+    state_size: int | None = None
+    file_count: int = 0
+    modified: datetime | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.status == STATUS_COMPLETED
+
+    def age(self, now: datetime | None = None) -> timedelta | None:
+        if self.modified is None:
+            return None
+        return (now or datetime.now(UTC)) - self.modified
+
+
+def modification_time(info: dict) -> datetime | None:
+    """The modification time in an fsspec ``info``/``ls`` entry, as an aware UTC datetime:
+    local ``mtime`` (epoch seconds), S3 ``LastModified`` (datetime), GCS ``updated`` (ISO
+    text), memory ``created``, ..."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        moment = _to_datetime(value)
+        if moment is not None:
+            return moment
+    return None
+
+
+def _to_datetime(value: object) -> datetime | None:
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = value / 1000 if value > 1e11 else value  # milliseconds since the epoch
+        try:
+            return datetime.fromtimestamp(seconds, UTC)
+        except (OverflowError, OSError, ValueError):
+            return None
+    if isinstance(value, str):
+        try:
+            return _to_datetime(datetime.fromisoformat(value.strip()))
+        except ValueError:
+            try:
+                return _to_datetime(float(value))
+            except ValueError:
+                return None
+    return None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    path: str  # stripped path on fs
+    name: str
+    job_id: str | None
+
+
+def _ls(fs: AbstractFileSystem, path: str) -> list[dict]:
+    fs.invalidate_cache(path)
+    return fs.ls(path, detail=True)
+
+
+def _is_dir(entry: dict) -> bool:
+    return entry.get("type") == "directory"
+
+
+def _candidates_in(entries: list[dict], job_id: str | None) -> tuple[list[_Candidate], list[str]]:
+    """Checkpoint/savepoint directories among ``entries`` and the job directories."""
+    found, jobs = [], []
+    for entry in entries:
+        if not _is_dir(entry):
+            continue
+        path = entry["name"].rstrip("/")
+        name = parent_and_name(path)[1]
+        if _CHK_DIR.fullmatch(name) or _SAVEPOINT_DIR.fullmatch(name):
+            found.append(_Candidate(path, name, job_id if _CHK_DIR.fullmatch(name) else None))
+        elif _JOB_DIR.fullmatch(name):
+            jobs.append(path)
+    return found, jobs
+
+
+def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> CheckpointInfo:
+    url = to_url(fs, candidate.path)
+    chk = _CHK_DIR.fullmatch(candidate.name)
+    name_id = int(chk.group(1)) if chk else None
+    name_kind = KIND_CHECKPOINT if chk else KIND_SAVEPOINT
+    try:
+        entries = _ls(fs, candidate.path)
+    except FileNotFoundError:  # deleted while we listed
+        entries = []
+    meta_entry = next(
+        (
+            e
+            for e in entries
+            if parent_and_name(e["name"])[1] == METADATA_FILE_NAME and e.get("type") == "file"
+        ),
+        None,
+    )
+    if meta_entry is None:
+        present = sum(1 for e in entries if e.get("type") == "file")
+        return CheckpointInfo(
+            url, name_kind, name_id, STATUS_IN_PROGRESS, candidate.job_id, file_count=present
+        )
+    modified = modification_time(meta_entry)
+    try:
+        metadata = _resolve(url, options).load_metadata()
+    except CheckpointNotFoundError:  # disposed while we listed
+        present = sum(1 for e in entries if e.get("type") == "file") - 1
+        return CheckpointInfo(
+            url, name_kind, name_id, STATUS_IN_PROGRESS, candidate.job_id, file_count=present
+        )
+    except (InvalidCheckpointError, UnsafePathError) as exc:
+        return CheckpointInfo(
+            url,
+            name_kind,
+            name_id,
+            STATUS_INVALID,
+            candidate.job_id,
+            reason=_one_line(exc),
+            file_count=sum(1 for e in entries if e.get("type") == "file") - 1,
+            modified=modified,
+        )
+    job = candidate.job_id or (metadata.job_id.hex if metadata.job_id else None)
+    return CheckpointInfo(
+        url,
+        snapshot_kind(metadata),
+        metadata.checkpoint_id,
+        STATUS_COMPLETED,
+        job,
+        state_size=metadata.state_size,
+        file_count=len({h.path for h in metadata.all_handles() if isinstance(h, FileStateHandle)}),
+        modified=modified,
+    )
+
+
+def list_checkpoints(
+    directory: str, *, storage_options: dict | None = None
+) -> list[CheckpointInfo]:
+    """Every ``chk-<id>`` and ``savepoint-*`` directory under ``directory``: a job directory
+    (``<base>/<job_id>``), a base directory holding job directories, a savepoint directory's
+    parent, or one checkpoint directory itself. Sorted by job, then id (numerically).
+
+    Raises ``FileNotFoundError`` when ``directory`` does not exist; I/O errors are raised,
+    never reported as an invalid checkpoint.
+    """
+    options = dict(storage_options or {})
+    fs, path = url_to_fs(directory, options)
+    parent, name = parent_and_name(path)
+    try:
+        entries = _ls(fs, path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{to_url(fs, path)} does not exist") from None
+    if not entries:
+        try:  # S3 lists nothing for a missing prefix: tell "empty" from "absent"
+            fs.info(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{to_url(fs, path)} does not exist") from None
+    own_job = name if _JOB_DIR.fullmatch(name) else None
+    if any(
+        parent_and_name(e["name"])[1] == METADATA_FILE_NAME and e.get("type") == "file"
+        for e in entries
+    ):
+        parent_job = parent_and_name(parent)[1]
+        job = parent_job if _CHK_DIR.fullmatch(name) and _JOB_DIR.fullmatch(parent_job) else None
+        candidates = [_Candidate(path, name, job)]
+    else:
+        candidates, jobs = _candidates_in(entries, own_job)
+        if jobs:
+            with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(jobs))) as pool:
+                listings = list(pool.map(lambda p: (p, _ls(fs, p)), jobs))
+            for job_path, job_entries in listings:
+                more, _ = _candidates_in(job_entries, parent_and_name(job_path)[1])
+                candidates.extend(more)
+    if not candidates:
+        return []
+    with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
+        infos = list(pool.map(lambda c: _examine(fs, c, options), candidates))
+    infos = _attribute_savepoints(infos)
+    return sorted(
+        infos,
+        key=lambda i: (
+            i.job_id or "",
+            i.checkpoint_id is None,
+            i.checkpoint_id or 0,
+            i.pointer,
+        ),
+    )
+
+
+def _attribute_savepoints(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """A savepoint without a readable job id belongs to the one listed job its name's
+    ``savepoint-<job[:6]>-`` prefix matches, if exactly one does."""
+    jobs = {i.job_id for i in infos if i.job_id}
+    result = []
+    for info in infos:
+        match = _SAVEPOINT_DIR.fullmatch(parent_and_name(info.pointer)[1])
+        if info.job_id is None and match:
+            owners = [j for j in jobs if j.startswith(match.group(1))]
+            if len(owners) == 1:
+                info = dataclasses.replace(info, job_id=owners[0])
+        result.append(info)
+    return result
+
+
+# --- latest ------------------------------------------------------------------------------
+
+
+def job_storage(directory: str, storage_options: dict | None = None):
+    """The ``CheckpointStorageAccess`` of a job directory ``<base>/<job_id>``; a directory
+    whose name is not a job id holds ``chk-<id>`` directly (``create_checkpoint_subdir=False``)."""
+    options = dict(storage_options or {})
+    fs, path = url_to_fs(directory, options)
+    base, name = parent_and_name(path)
+    if _JOB_DIR.fullmatch(name) and base:
+        storage = FileSystemCheckpointStorage(to_url(fs, base), storage_options=options)
+        return storage.create_checkpoint_storage(JobID(name))
+    storage = FileSystemCheckpointStorage(
+        to_url(fs, path), storage_options=options, create_checkpoint_subdir=False
+    )
+    return storage.create_checkpoint_storage(JobID("0" * 32))
+
+
+def latest_checkpoint(directory: str, *, storage_options: dict | None = None) -> str | None:
+    """The pointer of the newest completed checkpoint (by id, with a valid `_metadata`) of a
+    job directory ``<base>/<job_id>``, or None when it has none."""
+    completed = job_storage(directory, storage_options).latest_completed_checkpoint()
+    return None if completed is None else completed.external_pointer

@@ -297,7 +297,10 @@ def delete_files(
         batches = _s3_delete_batches(fs, paths)
         tasks = [lambda batch=batch: _s3_delete_batch(fs, *batch) for batch in batches]
     else:
-        tasks = [lambda path=path: _delete_one(fs, path) for path in paths]
+        # One task per worker, not per file: a local unlink is cheaper than a task hand-off.
+        size = -(-len(paths) // max(1, max_workers))
+        chunks = [paths[i : i + size] for i in range(0, len(paths), size)]
+        tasks = [lambda chunk=chunk: _delete_all(fs, chunk) for chunk in chunks]
 
     def run(task) -> None:
         try:
@@ -312,14 +315,23 @@ def delete_files(
         with ThreadPoolExecutor(max_workers=min(max_workers, len(tasks))) as pool:
             list(pool.map(run, tasks))
     if errors:
-        errors[0].add_note(f"{len(errors)} of {len(tasks)} deletions failed")
+        errors[0].add_note(f"{len(errors)} of {len(tasks)} delete batches failed")
         raise errors[0]
     return paths
 
 
-def _delete_one(fs: AbstractFileSystem, path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm_file(path)
+def _delete_all(fs: AbstractFileSystem, paths: list[str]) -> None:
+    """Delete ``paths`` one after another, trying each; raise the first error at the end."""
+    first: BaseException | None = None
+    for path in paths:
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 def _s3_delete_batches(fs, paths: list[str]) -> list[tuple[str, list[str]]]:

@@ -7,7 +7,9 @@ external pointer whichever call produced it, and what makes root checks a prefix
 """
 
 import contextlib
+import datetime as _dt
 import logging
+import math
 import os
 import posixpath
 import re
@@ -238,6 +240,44 @@ def remove_entropy_marker(url: str, key: str) -> str:
     if url.endswith("/" + key):
         return url[: -len(key) - 1]
     return url.replace(key, "", 1)
+
+
+# --- modification times ------------------------------------------------------------------
+
+_TIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created")
+
+
+def modification_time(entry) -> float | None:
+    """The modification time of an fsspec info/listing entry as epoch seconds, None when it
+    carries none: local ``mtime``, S3 ``LastModified``, GCS ``updated`` (ISO text), memory
+    ``created``. Naive datetimes are taken as UTC; numbers above 1e11 as milliseconds."""
+    for key in _TIME_KEYS:
+        value = _to_epoch(entry.get(key))
+        if value is not None:
+            return value
+    return None
+
+
+def _to_epoch(value: object) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        if not math.isfinite(value):
+            return None
+        return value / 1000 if value > 1e11 else float(value)
+    if isinstance(value, str):
+        try:
+            value = _dt.datetime.fromisoformat(value.strip())
+        except ValueError:
+            try:
+                return _to_epoch(float(value))
+            except ValueError:
+                return None
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.UTC)
+        return value.timestamp()
+    return None
 
 
 # --- writing and aborting files ----------------------------------------------------------

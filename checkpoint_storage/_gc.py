@@ -45,6 +45,7 @@ from checkpoint_storage._filesystems import (
     _protocols,
     delete_files,
     join,
+    modification_time,
     to_url,
 )
 from checkpoint_storage._handles import FileStateHandle
@@ -67,7 +68,6 @@ _ATTEMPTS = 3
 # Keys of fsspec info/listing entries that carry a modification time, most precise first:
 # local disk (mtime), S3 (LastModified), Azure (last_modified), GCS (updated), memory
 # (created: memory files are never modified in place).
-_TIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created")
 
 
 @dataclass(frozen=True)
@@ -205,36 +205,6 @@ def _extra_reference(access, url: object) -> str:
     if not isinstance(url, str) or not url:
         raise TypeError(f"extra_references must be non-empty URL strings, got {url!r}")
     return access._path(url).rstrip("/")
-
-
-# --- modification times ------------------------------------------------------------------
-
-
-def modification_time(entry: Mapping) -> float | None:
-    """The modification time of an fsspec info/listing entry, as epoch seconds; None when
-    the entry carries none. Naive datetimes are taken as UTC."""
-    for key in _TIME_KEYS:
-        value = _to_epoch(entry.get(key))
-        if value is not None:
-            return value
-    return None
-
-
-def _to_epoch(value: object) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int | float):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, str):
-        try:
-            value = _dt.datetime.fromisoformat(value)
-        except ValueError:
-            return None
-    if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.UTC)
-        return value.timestamp()
-    return None
 
 
 # --- listing and loading -----------------------------------------------------------------

@@ -32,6 +32,7 @@ from checkpoint_storage._filesystems import (
     to_url,
     url_to_fs,
 )
+from checkpoint_storage._filesystems import modification_time as _epoch_modification_time
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
@@ -544,37 +545,14 @@ class CheckpointInfo:
 
 
 def modification_time(info: dict) -> datetime | None:
-    """The modification time in an fsspec ``info``/``ls`` entry, as an aware UTC datetime:
-    local ``mtime`` (epoch seconds), S3 ``LastModified`` (datetime), GCS ``updated`` (ISO
-    text), memory ``created``, ..."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
-        value = info.get(key)
-        if value is None:
-            continue
-        moment = _to_datetime(value)
-        if moment is not None:
-            return moment
-    return None
-
-
-def _to_datetime(value: object) -> datetime | None:
-    if isinstance(value, datetime):
-        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = value / 1000 if value > 1e11 else value  # milliseconds since the epoch
-        try:
-            return datetime.fromtimestamp(seconds, UTC)
-        except (OverflowError, OSError, ValueError):
-            return None
-    if isinstance(value, str):
-        try:
-            return _to_datetime(datetime.fromisoformat(value.strip()))
-        except ValueError:
-            try:
-                return _to_datetime(float(value))
-            except ValueError:
-                return None
-    return None
+    """The modification time in an fsspec ``info``/``ls`` entry, as an aware UTC datetime."""
+    epoch = _epoch_modification_time(info)
+    if epoch is None:
+        return None
+    try:
+        return datetime.fromtimestamp(epoch, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)

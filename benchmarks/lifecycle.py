@@ -26,7 +26,6 @@ layer that logs each request, and test credentials in the environment.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import platform
@@ -40,6 +39,8 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _common import start_moto, targets_line
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -82,36 +83,6 @@ class RequestLog:
             return Counter(self._counts)
 
 
-def start_moto(log: RequestLog) -> tuple[str, object]:
-    """moto's threaded S3 server on 127.0.0.1 (free port), logging each request."""
-    # Test credentials for the local moto server only; never real ones.
-    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
-    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
-    os.environ.pop("AWS_SESSION_TOKEN", None)
-    os.environ.pop("AWS_PROFILE", None)
-    from moto.server import DomainDispatcherApplication, ThreadedMotoServer, create_backend_app
-    from werkzeug.serving import make_server
-
-    class LoggingMotoServer(ThreadedMotoServer):
-        def _server_entry(self) -> None:
-            app = DomainDispatcherApplication(create_backend_app)
-
-            def logged(environ, start_response):
-                log.record(environ)
-                return app(environ, start_response)
-
-            self._server = make_server(self._ip_address, self._port, logged, True)
-            self._server_ready_event.set()
-            self._server.serve_forever()
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    server = LoggingMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return f"http://{host}:{port}", server
-
-
 @dataclass
 class Backend:
     name: str
@@ -139,7 +110,7 @@ def open_backend(name: str, local_dir: str | None) -> Backend:
         import boto3
 
         log = RequestLog()
-        endpoint, server = start_moto(log)
+        endpoint, server = start_moto(log.record)
         bucket = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         backend = Backend(
@@ -430,16 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for name in backends:
         rows += run_backend(name, args)
-    missed = [r for r in rows if r.ok is False]
-    checked = [r for r in rows if r.ok is not None]
-    print(
-        f"\n{len(checked) - len(missed)}/{len(checked)} targets met"
-        + (
-            ""
-            if not missed
-            else "; missed: " + ", ".join(f"{r.backend} {r.workload}" for r in missed)
-        )
-    )
+    print(targets_line(rows))
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import logging
 import os
 import platform
 import pstats
@@ -37,6 +36,8 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from _common import start_moto, targets_line
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -70,22 +71,6 @@ class Backend:
                 action()
             except Exception as exc:  # noqa: BLE001 - cleanup of a benchmark
                 print(f"  (cleanup of {self.name} failed: {exc})", file=sys.stderr)
-
-
-def start_moto() -> tuple[str, object]:
-    # Test credentials for the local moto server only; never real ones.
-    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
-    os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
-    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
-    os.environ.pop("AWS_SESSION_TOKEN", None)
-    os.environ.pop("AWS_PROFILE", None)
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return f"http://{host}:{port}", server
 
 
 def open_backend(name: str, local_dir: str | None) -> Backend:
@@ -444,15 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in backends:
         rows += run_backend(name, args)
     print_table(rows)
-    missed = [r for r in rows if not r.ok]
-    print(
-        f"\n{len(rows) - len(missed)}/{len(rows)} targets met"
-        + (
-            ""
-            if not missed
-            else "; missed: " + ", ".join(f"{r.backend} {r.workload}" for r in missed)
-        )
-    )
+    print(targets_line(rows))
     return 0
 
 

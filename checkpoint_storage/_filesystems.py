@@ -242,6 +242,18 @@ def remove_entropy_marker(url: str, key: str) -> str:
     return url.replace(key, "", 1)
 
 
+def format_size(n: int) -> str:
+    """A byte count for people: ``512 B``, ``3.0 KiB``, ``1.5 GiB``."""
+    if n < 1024:
+        return f"{n} B"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 # --- modification times ------------------------------------------------------------------
 
 _TIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created")

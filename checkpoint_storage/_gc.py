@@ -44,6 +44,7 @@ from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
     _protocols,
     delete_files,
+    format_size,
     join,
     modification_time,
     to_url,
@@ -103,14 +104,7 @@ def _plural(n: int, word: str, plural: str | None = None) -> str:
 
 
 def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} {_plural(n, 'byte')}"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
+    return f"{n} {_plural(n, 'byte')}" if n < 1024 else format_size(n)
 
 
 def collect_garbage(

@@ -51,7 +51,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from checkpoint_storage._access import resolve_checkpoint_pointer
-from checkpoint_storage._filesystems import check_pointer, url_to_fs
+from checkpoint_storage._filesystems import check_pointer, format_size, url_to_fs
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
@@ -201,16 +201,7 @@ def _parse_options(env_name: str, flags: list[str] | None) -> dict:
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}"
-    return f"{n} B"  # unreachable
+    return "-" if n is None else format_size(n)
 
 
 def _age(delta: timedelta | None) -> str:

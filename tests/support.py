@@ -1,5 +1,9 @@
 """Helpers shared by the checkpoint_storage test suites."""
 
+import random
+
+import fsspec
+
 from checkpoint_storage import (
     CheckpointedStateScope,
     CheckpointMetadata,
@@ -10,6 +14,18 @@ from checkpoint_storage import (
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
+
+
+def payload(n: int, seed: int) -> bytes:
+    """``n`` reproducible pseudo-random bytes."""
+    return random.Random(seed).randbytes(n)
+
+
+def fs_of(backend):
+    """An fsspec filesystem to inspect the backend with (listing caches dropped)."""
+    fs, _ = fsspec.core.url_to_fs(backend.base_url, **backend.storage_options)
+    fs.invalidate_cache()
+    return fs
 
 
 def norm(fs, url: str) -> str:

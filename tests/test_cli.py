@@ -9,7 +9,6 @@ Runs the installed ``checkpoints`` executable next to the interpreter when there
 import json
 import os
 import pty
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from checkpoint_storage import (
     OperatorSubtaskState,
     load_checkpoint_metadata,
 )
-from tests.support import finalize, read, write_state
+from tests.support import finalize, payload, read, write_state
 
 ROOT = Path(__file__).resolve().parent.parent
 EXECUTABLE = Path(sys.executable).parent / "checkpoints"
@@ -77,10 +76,6 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     assert lines, "no error message on stderr"
     assert lines[-1].startswith("checkpoints: error: "), result.stderr
     return lines[-1]
-
-
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def write_checkpoint(access, checkpoint_id, sizes, properties=None, subtask=0):

@@ -8,12 +8,10 @@ rewritten for this library's API (issue 2, DESIGN §3).
 
 import os
 import pickle
-import random
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import fsspec
 import pytest
 
 from checkpoint_storage import (
@@ -29,7 +27,17 @@ from checkpoint_storage import (
     load_checkpoint_metadata,
     store_checkpoint_metadata,
 )
-from tests.support import finalize, loaded_handles, metadata, norm, parent, read, write_state
+from tests.support import (
+    finalize,
+    fs_of,
+    loaded_handles,
+    metadata,
+    norm,
+    parent,
+    payload,
+    read,
+    write_state,
+)
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
@@ -46,22 +54,11 @@ pytestmark = pytest.mark.timeout(60)  # the backend fixture includes S3
 # --------------------------------------------------------------------------------------------
 
 
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
 def make_storage(backend, name: str = "cp", **kwargs) -> FileSystemCheckpointStorage:
     kwargs.setdefault("file_state_size_threshold", THRESHOLD)
     return FileSystemCheckpointStorage(
         backend.url(name), storage_options=dict(backend.storage_options), **kwargs
     )
-
-
-def fs_of(backend):
-    """An fsspec filesystem to inspect the backend with (listing caches dropped)."""
-    fs, _ = fsspec.core.url_to_fs(backend.base_url, **backend.storage_options)
-    fs.invalidate_cache()
-    return fs
 
 
 def complete_checkpoint(access, checkpoint_id: int, states=(), master: bytes = b"pos-0"):

@@ -13,7 +13,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import fsspec
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
@@ -30,7 +29,7 @@ from checkpoint_storage import (
 )
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage, modification_time
 from checkpoint_storage._metadata import HEADER_SIZE, MAGIC
-from tests.support import SHARED, finalize, metadata, read, write_state
+from tests.support import SHARED, finalize, fs_of, metadata, payload, read, write_state
 
 THRESHOLD = 1024
 BIG = 2048
@@ -44,19 +43,9 @@ pytestmark = pytest.mark.timeout(60)  # the backend fixture includes S3
 # --------------------------------------------------------------------------------------------
 
 
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
 def future(days: float = 10) -> float:
     """Epoch seconds far enough ahead that every file written now is older than GRACE."""
     return time.time() + days * 86400
-
-
-def fs_of(backend):
-    fs, _ = fsspec.core.url_to_fs(backend.base_url, **backend.storage_options)
-    fs.invalidate_cache()
-    return fs
 
 
 def url_of(fs, path: str) -> str:

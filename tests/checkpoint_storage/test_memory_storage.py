@@ -8,7 +8,6 @@ disk (this storage takes no storage options, so it is not pointed at the moto S3
 """
 
 import os
-import random
 import re
 import uuid
 
@@ -26,7 +25,16 @@ from checkpoint_storage import (
     load_checkpoint_metadata,
     store_checkpoint_metadata,
 )
-from tests.support import finalize, loaded_handles, metadata, norm, parent, read, write_state
+from tests.support import (
+    finalize,
+    loaded_handles,
+    metadata,
+    norm,
+    parent,
+    payload,
+    read,
+    write_state,
+)
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
@@ -46,10 +54,6 @@ def base_url(request, tmp_path) -> str:
     if request.param == "memory":
         return f"memory://mem-{uuid.uuid4().hex}"
     return str(tmp_path / "base")
-
-
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
 
 
 def fs_for(url: str):

@@ -7,7 +7,6 @@ the relocatable-savepoint rule of DESIGN §3.3. Runs on memory://, local disk an
 
 import os
 import pickle
-import random
 import re
 
 import fsspec
@@ -21,7 +20,17 @@ from checkpoint_storage import (
     decode_path_from_reference,
     load_checkpoint_metadata,
 )
-from tests.support import finalize, loaded_handles, metadata, norm, parent, read, write_state
+from tests.support import (
+    finalize,
+    fs_of,
+    loaded_handles,
+    metadata,
+    norm,
+    parent,
+    payload,
+    read,
+    write_state,
+)
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
@@ -36,16 +45,6 @@ pytestmark = pytest.mark.timeout(60)  # the backend fixture includes S3
 # --------------------------------------------------------------------------------------------
 #  helpers
 # --------------------------------------------------------------------------------------------
-
-
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def fs_of(backend):
-    fs, _ = fsspec.core.url_to_fs(backend.base_url, **backend.storage_options)
-    fs.invalidate_cache()
-    return fs
 
 
 def name(path: str) -> str:

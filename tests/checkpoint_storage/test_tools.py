@@ -5,9 +5,7 @@ Real checkpoints and savepoints are written with the library on memory://, local
 """
 
 import datetime as dt
-import random
 
-import fsspec
 import pytest
 
 from checkpoint_storage import (
@@ -34,7 +32,7 @@ from checkpoint_storage._tools import (
     modification_time,
     verify_checkpoint,
 )
-from tests.support import SHARED, finalize, metadata, read, write_state
+from tests.support import SHARED, finalize, fs_of, metadata, payload, read, write_state
 
 THRESHOLD = 1024
 JOB_A = JobID("a" * 32)
@@ -47,16 +45,6 @@ pytestmark = pytest.mark.timeout(60)  # the backend fixture includes S3
 # --------------------------------------------------------------------------------------------
 #  helpers
 # --------------------------------------------------------------------------------------------
-
-
-def payload(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def fs_of(backend):
-    fs, _ = fsspec.core.url_to_fs(backend.base_url, **backend.storage_options)
-    fs.invalidate_cache()
-    return fs
 
 
 def storage(backend, base="cp", savepoints=None) -> FileSystemCheckpointStorage:

@@ -1,0 +1,46 @@
+"""What the benchmark scripts share: moto's S3 server on loopback, and the closing line."""
+
+import logging
+import os
+
+
+def start_moto(on_request=None) -> tuple[str, object]:
+    """moto's threaded S3 server on 127.0.0.1 (free port); ``on_request(environ)`` sees each
+    request. Returns the endpoint URL and the server (call ``.stop()``)."""
+    # Test credentials for the local moto server only; never real ones.
+    os.environ["AWS_ACCESS_KEY_ID"] = "testing"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
+    os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    os.environ.pop("AWS_PROFILE", None)
+    from moto.server import DomainDispatcherApplication, ThreadedMotoServer, create_backend_app
+    from werkzeug.serving import make_server
+
+    class ObservedMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = DomainDispatcherApplication(create_backend_app)
+
+            def observed(environ, start_response):
+                if on_request is not None:
+                    on_request(environ)
+                return app(environ, start_response)
+
+            self._server = make_server(self._ip_address, self._port, observed, True)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ObservedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return f"http://{host}:{port}", server
+
+
+def targets_line(rows) -> str:
+    """'N/M targets met', naming the missed ones; rows whose ``ok`` is None have no target."""
+    checked = [r for r in rows if r.ok is not None]
+    missed = [r for r in checked if not r.ok]
+    line = f"\n{len(checked) - len(missed)}/{len(checked)} targets met"
+    if missed:
+        line += "; missed: " + ", ".join(f"{r.backend} {r.workload}" for r in missed)
+    return line

@@ -241,9 +241,9 @@ class CheckpointStorageLocation(CheckpointStreamFactory):
         return self._reference
 
     def create_checkpoint_state_output_stream(
-        self, scope: CheckpointedStateScope
+        self, scope: CheckpointedStateScope, name_prefix: str = ""
     ) -> CheckpointStateOutputStream:
-        return self._streams.create_checkpoint_state_output_stream(scope)
+        return self._streams.create_checkpoint_state_output_stream(scope, name_prefix)
 
     def create_metadata_output_stream(self) -> CheckpointMetadataOutputStream:
         """A stream for `_metadata`. Costs no I/O: another writer's `_metadata` is detected

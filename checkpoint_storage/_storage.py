@@ -5,6 +5,7 @@ call ``create_checkpoint_storage(job_id)`` there. They hold configuration, never
 filesystems.
 """
 
+import os
 from abc import ABC, abstractmethod
 
 from fsspec.core import split_protocol
@@ -18,6 +19,7 @@ from checkpoint_storage._access import (
 from checkpoint_storage._filesystems import EntropyInjector, canonical_url
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
+from checkpoint_storage.exceptions import StorageConfigurationError
 
 __all__ = ["CheckpointStorage", "FileSystemCheckpointStorage", "MemoryCheckpointStorage"]
 
@@ -46,8 +48,10 @@ class FileSystemCheckpointStorage(CheckpointStorage):
     FileSystemCheckpointStorage): state files above ``file_state_size_threshold`` bytes,
     inline state below it.
 
-    ``storage_options`` are passed to fsspec (e.g. ``endpoint_url``); keep credentials in the
-    environment, since this object travels to executors.
+    ``storage_options`` are passed to fsspec (e.g. ``endpoint_url``). This object travels to
+    executors, so credentials never go in there: name them in ``storage_options_from_env``
+    (fsspec option -> environment variable), which each process reads from its own environment
+    when it opens the filesystem.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class FileSystemCheckpointStorage(CheckpointStorage):
         write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE,
         create_checkpoint_subdir: bool = True,
         storage_options: dict | None = None,
+        storage_options_from_env: dict[str, str] | None = None,
         entropy_injection_key: str | None = None,
         entropy_length: int = 4,
     ) -> None:
@@ -73,7 +78,11 @@ class FileSystemCheckpointStorage(CheckpointStorage):
             )
         if not isinstance(write_buffer_size, int) or write_buffer_size < 0:
             raise ValueError(f"write_buffer_size must be >= 0, got {write_buffer_size!r}")
-        self.storage_options = dict(storage_options or {})
+        self._static_options = dict(storage_options or {})
+        self.storage_options_from_env = dict(storage_options_from_env or {})
+        both = sorted(set(self._static_options) & set(self.storage_options_from_env))
+        if both:
+            raise ValueError(f"storage options {both} are given both directly and from env")
         self.checkpoint_directory = canonical_url(checkpoint_dir, self.storage_options)
         self.savepoint_directory = _optional_directory(savepoint_dir, self.storage_options)
         self.file_state_size_threshold = file_state_size_threshold
@@ -103,6 +112,22 @@ class FileSystemCheckpointStorage(CheckpointStorage):
         self.entropy_length = entropy_length
 
     @property
+    def storage_options(self) -> dict:
+        """The fsspec options, with those named in ``storage_options_from_env`` read from this
+        process's environment now."""
+        options = dict(self._static_options)
+        for option, variable in self.storage_options_from_env.items():
+            value = os.environ.get(variable)
+            if value is None:
+                raise StorageConfigurationError(
+                    f"storage option {option!r} comes from environment variable {variable!r}, "
+                    f"which is not set in this process (pid {os.getpid()}): set it wherever "
+                    "checkpoints are written or read, on the driver and on every executor"
+                )
+            options[option] = value
+        return options
+
+    @property
     def entropy_injector(self) -> EntropyInjector | None:
         """Injects entropy into data file paths, when the key is in the checkpoint directory."""
         key = self.entropy_injection_key
@@ -123,7 +148,8 @@ class FileSystemCheckpointStorage(CheckpointStorage):
             self.file_state_size_threshold,
             self.write_buffer_size,
             self.create_checkpoint_subdir,
-            sorted(self.storage_options.items()),
+            sorted(self._static_options.items()),
+            sorted(self.storage_options_from_env.items()),
             self.entropy_injection_key,
             self.entropy_length,
         )
@@ -142,7 +168,8 @@ class FileSystemCheckpointStorage(CheckpointStorage):
             f"FileSystemCheckpointStorage(checkpoint_dir={self.checkpoint_directory!r}, "
             f"savepoint_dir={self.savepoint_directory!r}, "
             f"file_state_size_threshold={self.file_state_size_threshold}, "
-            f"storage_options=<{', '.join(sorted(self.storage_options))}>)"
+            f"storage_options=<{', '.join(sorted(self._static_options))}>, "
+            f"storage_options_from_env={self.storage_options_from_env!r})"
         )
 
 

@@ -5,6 +5,7 @@ import io
 import itertools
 import os
 import queue
+import re
 import secrets
 import threading
 import uuid
@@ -67,12 +68,28 @@ class CheckpointStateOutputStream(ABC):
 
 
 class CheckpointStreamFactory(ABC):
-    """Creates the streams that one checkpoint's state is written into."""
+    """Creates the streams that one checkpoint's state is written into.
+
+    ``name_prefix`` (letters, digits, ``_`` and ``-``) starts the name of the stream's file,
+    e.g. a Spark task's partition and attempt, so that the files of retried or speculative
+    attempts can be told apart; a random part always follows.
+    """
 
     @abstractmethod
     def create_checkpoint_state_output_stream(
-        self, scope: CheckpointedStateScope
+        self, scope: CheckpointedStateScope, name_prefix: str = ""
     ) -> CheckpointStateOutputStream: ...
+
+
+_NAME_PREFIX = re.compile(r"[A-Za-z0-9_-]{0,64}")
+
+
+def check_name_prefix(name_prefix: str) -> str:
+    if not isinstance(name_prefix, str) or not _NAME_PREFIX.fullmatch(name_prefix):
+        raise ValueError(
+            f"name_prefix must be at most 64 letters, digits, '_' or '-', got {name_prefix!r}"
+        )
+    return name_prefix
 
 
 class _InlineNames:
@@ -166,9 +183,11 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
         buffer_size: int,
         threshold: int,
         relative: bool,
+        name_prefix: str = "",
     ) -> None:
         self._fs = fs
         self._directory = directory
+        self._name_prefix = check_name_prefix(name_prefix)
         # Grows on demand up to the capacity: most inline states are far below it.
         self._buffer = bytearray()
         self._capacity = max(buffer_size, threshold, 1)
@@ -235,7 +254,7 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
 
     def _open_file(self) -> None:
         directory = self._directory()
-        name = uuid.uuid4().hex
+        name = self._name_prefix + uuid.uuid4().hex
         path = join(directory, name)
         self._file = self._fs.open(self._fs._strip_protocol(path), "wb")
         self._file_url, self._file_dir, self._file_name = path, directory, name
@@ -356,7 +375,7 @@ class FsCheckpointStreamFactory(CheckpointStreamFactory):
         return lambda: self._entropy.inject(directory)
 
     def create_checkpoint_state_output_stream(
-        self, scope: CheckpointedStateScope
+        self, scope: CheckpointedStateScope, name_prefix: str = ""
     ) -> CheckpointStateOutputStream:
         if scope is CheckpointedStateScope.EXCLUSIVE:
             directory, relative = self._exclusive_dir, True
@@ -370,6 +389,7 @@ class FsCheckpointStreamFactory(CheckpointStreamFactory):
             self._buffer_size,
             self._threshold,
             relative and self._entropy is None,
+            name_prefix,
         )
 
     def create_task_owned_state_stream(self) -> CheckpointStateOutputStream:
@@ -391,10 +411,11 @@ class MemCheckpointStreamFactory(CheckpointStreamFactory):
         self._name_prefix = name_prefix
 
     def create_checkpoint_state_output_stream(
-        self, scope: CheckpointedStateScope
+        self, scope: CheckpointedStateScope, name_prefix: str = ""
     ) -> CheckpointStateOutputStream:
         if not isinstance(scope, CheckpointedStateScope):
             raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
+        check_name_prefix(name_prefix)
         return MemoryCheckpointStateOutputStream(
             lambda: f"{self._name_prefix}/{_inline_names.next()}", self._max_state_size
         )

@@ -9,6 +9,9 @@ The tree::
     │   └── StateIntegrityError             a state file's size or checksum differs from its handle
     ├── UnsupportedFileSystemError (ValueError)
     │                                       the filesystem cannot publish `_metadata` atomically
+    ├── StorageConfigurationError (ValueError)
+    │                                       the storage cannot be opened as configured here, e.g.
+    │                                       an environment variable holding a credential is unset
     ├── CheckpointNotFoundError (FileNotFoundError)
     │                                       no checkpoint at the pointer (or no `_metadata` in it)
     ├── CheckpointAlreadyExistsError (FileExistsError)
@@ -33,6 +36,7 @@ __all__ = [
     "InvalidCheckpointError",
     "StateIntegrityError",
     "StateSizeExceededError",
+    "StorageConfigurationError",
     "StreamClosedError",
     "UnsafePathError",
     "UnsupportedFileSystemError",
@@ -81,3 +85,8 @@ class StateSizeExceededError(CheckpointStorageError, OSError):
 
 class StreamClosedError(CheckpointStorageError, OSError):
     """The stream was closed or already returned its handle."""
+
+
+class StorageConfigurationError(CheckpointStorageError, ValueError):
+    """The storage cannot be opened as configured in this process (e.g. an environment
+    variable that holds a credential is not set)."""

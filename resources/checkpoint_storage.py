@@ -1,0 +1,78 @@
+"""``CheckpointStorageResource``: the checkpoint storage configuration as a Dagster resource,
+handing out plain ``checkpoint_storage`` objects."""
+
+from dagster import ConfigurableResource
+from pydantic import field_validator
+
+from checkpoint_storage import FileSystemCheckpointStorage
+from checkpoint_storage._storage import DEFAULT_FILE_STATE_THRESHOLD, DEFAULT_WRITE_BUFFER_SIZE
+
+__all__ = ["CheckpointStorageResource", "DataLakeResource"]
+
+# fsspec option names that hold credentials in s3fs, gcsfs, adlfs and friends.
+_SECRET_OPTIONS = {
+    "key", "secret", "token", "password", "session_token", "secret_access_key",
+    "aws_secret_access_key", "aws_session_token", "account_key", "sas_token", "client_secret",
+    "connection_string", "credentials",
+}  # fmt: skip
+
+
+class CheckpointStorageResource(ConfigurableResource):
+    """Where and how the pipelines checkpoint (Flink's ``state.checkpoints.dir`` and friends).
+
+    - ``checkpoint_dir`` / ``savepoint_dir``: any fsspec URL (local path, ``s3://``, ...).
+    - ``storage_options``: non-secret fsspec options (``endpoint_url``, ``region_name``...).
+    - ``storage_options_from_env``: fsspec option -> environment variable, for credentials.
+      They are read from the environment by each process that opens the storage, driver and
+      executors, so they never travel inside the objects shipped to executors. (A
+      ``dagster.EnvVar`` resolves on the driver only; S3 credentials in ``AWS_*`` variables
+      need nothing here at all.)
+    """
+
+    checkpoint_dir: str
+    savepoint_dir: str | None = None
+    file_state_size_threshold: int = DEFAULT_FILE_STATE_THRESHOLD
+    write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE
+    max_retained_checkpoints: int = 3
+    checkpoint_interval_batches: int = 2
+    storage_options: dict[str, str] = {}
+    storage_options_from_env: dict[str, str] = {}
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, options: dict[str, str]) -> dict[str, str]:
+        secrets = sorted(k for k in options if k.lower() in _SECRET_OPTIONS)
+        if secrets:
+            raise ValueError(
+                f"storage_options {secrets} look like credentials, which would travel to every "
+                "executor: put them in environment variables and name those in "
+                "storage_options_from_env (e.g. {'secret': 'AWS_SECRET_ACCESS_KEY'})"
+            )
+        return options
+
+    @field_validator("max_retained_checkpoints", "checkpoint_interval_batches")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
+
+    def checkpoint_storage(self) -> FileSystemCheckpointStorage:
+        """A plain, picklable storage config object: safe to ship to executors."""
+        return FileSystemCheckpointStorage(
+            self.checkpoint_dir,
+            self.savepoint_dir,
+            file_state_size_threshold=self.file_state_size_threshold,
+            write_buffer_size=self.write_buffer_size,
+            storage_options=dict(self.storage_options),
+            storage_options_from_env=dict(self.storage_options_from_env),
+        )
+
+
+class DataLakeResource(ConfigurableResource):
+    """Where the input lands and the report goes. Spark reads and writes these itself, so
+    they are URLs of Spark's filesystems: local paths, ``hdfs://``, or ``s3a://`` on a
+    cluster with hadoop-aws."""
+
+    landing_dir: str
+    report_dir: str

@@ -1,0 +1,70 @@
+"""``SparkResource``: a lazily created SparkSession for Dagster assets."""
+
+import os
+import sys
+from typing import Any
+
+from dagster import ConfigurableResource, InitResourceContext
+from pydantic import PrivateAttr
+from pyspark.sql import SparkSession
+
+__all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
+
+# Settings this project's pipelines rely on; `conf` overrides them.
+DEFAULT_SPARK_CONF: dict[str, str] = {
+    # Arrow batches between the JVM and the Python workers that write and read state. The
+    # default of 10,000 rows is markedly slower for this path (benchmarks/stage_checkpoint.py
+    # measures the candidates).
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "100000",
+    # Days are UTC days: report dates and event times must not depend on the machine.
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.shuffle.partitions": "8",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.log.level": "WARN",
+}
+
+
+def build_spark_session(
+    master: str = "local[*]", app_name: str = "checkpointed-pipelines", conf: dict | None = None
+) -> SparkSession:
+    """The one way this project builds a session (Dagster resource, tests, benchmarks).
+
+    Python workers run this interpreter unless ``spark.pyspark.python`` says otherwise, so
+    that executors have the project's packages (pyarrow, fsspec, checkpoint_storage).
+    """
+    settings = DEFAULT_SPARK_CONF | {"spark.pyspark.python": sys.executable} | dict(conf or {})
+    # Local-mode workers are forked from this process and read the environment variable.
+    os.environ.setdefault("PYSPARK_PYTHON", settings["spark.pyspark.python"])
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in settings.items():
+        builder = builder.config(key, str(value))
+    return builder.getOrCreate()
+
+
+class SparkResource(ConfigurableResource):
+    """A SparkSession, created on first use and stopped at teardown (only if this resource
+    started it: a session that already existed, e.g. a test's, is left running).
+
+    ``master`` may be any Spark master URL: ``local[*]``, ``spark://host:7077``, ``yarn``,
+    ``k8s://...``. The resource itself never travels to executors.
+    """
+
+    master: str = "local[*]"
+    app_name: str = "checkpointed-pipelines"
+    conf: dict[str, Any] = {}
+
+    _session: SparkSession | None = PrivateAttr(default=None)
+    _started_here: bool = PrivateAttr(default=False)
+
+    @property
+    def session(self) -> SparkSession:
+        if self._session is None:
+            existed = SparkSession.getActiveSession() is not None
+            self._session = build_spark_session(self.master, self.app_name, self.conf)
+            self._started_here = not existed
+        return self._session
+
+    def teardown_after_execution(self, context: InitResourceContext) -> None:
+        if self._session is not None and self._started_here:
+            self._session.stop()
+        self._session = None

@@ -3,7 +3,6 @@
 import dagster as dg
 
 from pipelines.assets import (
-    DAILY_PARTITIONS,
     checkpoint_integrity,
     click_events,
     default_resources,
@@ -15,7 +14,6 @@ daily_pipeline = dg.define_asset_job(
     # The stateful asset reports each partition as it completes (not through outputs), so a
     # check in the same run would count as skipped: it runs in its own job instead.
     selection=dg.AssetSelection.assets(click_events, user_activity).without_checks(),
-    partitions_def=DAILY_PARTITIONS,
     description="Land a day's click events, then advance the stateful user_activity state "
     "through it (checkpointing) and write the day's report.",
 )

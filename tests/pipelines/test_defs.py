@@ -1,0 +1,265 @@
+"""The whole code location loads, and its assets and check work on a real Dagster instance."""
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
+
+from checkpoint_storage import FileSystemCheckpointStorage, StorageConfigurationError
+from pipelines.assets import checkpoint_integrity, click_events, user_activity
+from pipelines.definitions import defs
+from pipelines.main import next_partitions
+from pipelines.runner import SourcePosition
+from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 300, "users": 30, "seed": 1}
+
+
+def test_code_location_loads():
+    """Definitions.validate_loadable accepts the code location with every asset and job."""
+    dg.Definitions.validate_loadable(defs)
+    keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
+    assert {"click_events", "user_activity", "daily_report"} == keys
+    assert defs.resolve_job_def("daily_pipeline").partitions_def is not None
+
+
+def test_workspace_and_pyproject_name_the_same_location():
+    """workspace.yaml and [tool.dagster] load the same module under the same name."""
+    workspace = yaml.safe_load((ROOT / "workspace.yaml").read_text())
+    module = workspace["load_from"][0]["python_module"]
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["dagster"]
+    assert (tool["module_name"], tool["code_location_name"]) == (
+        module["module_name"],
+        module["location_name"],
+    )
+
+
+def resources_for(tmp_path: Path, **storage) -> dict:
+    return {
+        "spark": SparkResource(master="local[2]"),
+        "checkpoint_storage": CheckpointStorageResource(
+            checkpoint_dir=str(tmp_path / "checkpoints"),
+            savepoint_dir=str(tmp_path / "savepoints"),
+            **storage,
+        ),
+        "lake": DataLakeResource(
+            landing_dir=str(tmp_path / "landing"), report_dir=str(tmp_path / "reports")
+        ),
+    }
+
+
+def materialize_range(instance, resources, first: str, last: str, **config):
+    return dg.materialize(
+        [click_events, user_activity],
+        instance=instance,
+        resources=resources,
+        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
+        run_config={
+            "ops": {
+                "click_events": {"config": SMALL_LANDING},
+                "user_activity": {"config": config},
+            }
+        },
+        raise_on_error=False,
+    )
+
+
+def run_check(instance, resources):
+    result = dg.materialize(
+        [click_events, user_activity, checkpoint_integrity],
+        selection=dg.AssetSelection.checks(checkpoint_integrity),
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+    )
+    (evaluation,) = result.get_asset_check_evaluations()
+    return evaluation
+
+
+def user_activity_metadata(instance) -> dict[str, dict]:
+    records = instance.fetch_materializations(dg.AssetKey("user_activity"), limit=100).records
+    return {
+        r.asset_materialization.partition: {
+            k: v.value for k, v in r.asset_materialization.metadata.items()
+        }
+        for r in records
+    }
+
+
+@pytest.fixture(scope="module")
+def materialized(spark, tmp_path_factory):
+    """Two days materialized in one run (a single-run backfill), on a real instance."""
+    tmp_path = tmp_path_factory.mktemp("defs")
+    resources = resources_for(tmp_path, file_state_size_threshold=1024)
+    with dg.instance_for_test() as instance:
+        result = materialize_range(instance, resources, "2026-10-01", "2026-10-02")
+        yield instance, resources, result, tmp_path
+
+
+def test_materialization_records_checkpoint_metadata(materialized):
+    """Each partition's materialization records its own checkpoint, and the second day's
+    state was carried over from the first day's checkpoint."""
+    instance, _, result, tmp_path = materialized
+    assert result.success
+    meta = user_activity_metadata(instance)
+    assert ["2026-10-01", "2026-10-02"] == sorted(meta)
+    first, second = meta["2026-10-01"], meta["2026-10-02"]
+    assert "none: started from empty state" == first["restored_from"]
+    assert first["checkpoint_pointer"] == second["restored_from"]
+    assert first["checkpoint_id"] < second["checkpoint_id"]
+    assert (tmp_path / "checkpoints").as_posix() in second["checkpoint_pointer"]
+    assert "end of 2026-10-02" == second["source_position"]
+    assert 3 * 300 == second["rows_input"]
+    assert 3 == second["batches_applied"]
+    assert second["state_bytes"] > 0
+    assert second["files_written"] + second["inline_states"] >= 2
+    assert 30 == second["state_rows_user_activity"]
+
+
+def test_daily_report_materialized_per_partition(materialized):
+    """daily_report gets one materialization per processed day, pointing at its directory."""
+    instance, _, _, tmp_path = materialized
+    records = instance.fetch_materializations(dg.AssetKey("daily_report"), limit=10).records
+    paths = sorted(r.asset_materialization.metadata["path"].value for r in records)
+    expected = [f"{tmp_path / 'reports'}/report_date=2026-10-0{d}" for d in (1, 2)]
+    assert expected == paths
+    assert all(Path(p).is_dir() for p in paths)
+
+
+def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):
+    """The check passes on the latest checkpoint, and fails once one of its state files has
+    a flipped byte."""
+    instance, resources, _, _ = materialized
+    assert run_check(instance, resources).passed
+    pointer = user_activity_metadata(instance)["2026-10-02"]["checkpoint_pointer"]
+    state_files = sorted(p for p in Path(pointer).iterdir() if p.name != "_metadata")
+    assert state_files, "the check needs at least one state file to corrupt"
+    victim = state_files[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    try:
+        evaluation = run_check(instance, resources)
+        assert not evaluation.passed
+        assert "corrupt" in (evaluation.description or "")
+    finally:
+        data[len(data) // 2] ^= 0x01
+        victim.write_bytes(bytes(data))
+
+
+def test_checkpoint_integrity_fails_on_truncated_metadata(spark, tmp_path):
+    """A truncated `_metadata` in the newest checkpoint fails the check and says so."""
+    resources = resources_for(tmp_path)
+    with dg.instance_for_test() as instance:
+        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        pointer = user_activity_metadata(instance)["2026-10-01"]["checkpoint_pointer"]
+        metadata_file = Path(pointer) / "_metadata"
+        metadata_file.write_bytes(metadata_file.read_bytes()[:20])
+        evaluation = run_check(instance, resources)
+    assert not evaluation.passed
+    assert "invalid" in evaluation.description
+
+
+def test_restore_from_a_snapshot_that_does_not_fit_fails_the_run(spark, tmp_path):
+    """restore_from naming a snapshot whose position does not fit the range fails the run
+    with a message naming the snapshot and the state the range needs."""
+    resources = resources_for(tmp_path)
+    with dg.instance_for_test() as instance:
+        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        pointer = user_activity_metadata(instance)["2026-10-01"]["checkpoint_pointer"]
+        result = materialize_range(
+            instance, resources, "2026-10-05", "2026-10-05", restore_from=pointer
+        )
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    message = failure.event_specific_data.error.cause.message
+    assert pointer in message
+    assert "end of 2026-10-04" in message
+
+
+def test_credentials_are_refused_in_plain_storage_options():
+    """A credential in storage_options is refused with a pointer to storage_options_from_env."""
+    with pytest.raises(Exception, match="storage_options_from_env"):
+        CheckpointStorageResource(checkpoint_dir="/tmp/x", storage_options={"secret": "s3cr3t"})
+
+
+def test_credentials_from_env_stay_out_of_the_shipped_object(tmp_path, monkeypatch):
+    """Options named in storage_options_from_env are read from the environment when used and
+    are absent from the pickled storage object; an unset variable is a clear error."""
+    import pickle
+
+    monkeypatch.setenv("TEST_CANARY_SECRET", "canary-7f3a9d")
+    resource = CheckpointStorageResource(
+        checkpoint_dir=str(tmp_path), storage_options_from_env={"auto_mkdir": "TEST_CANARY_SECRET"}
+    )
+    storage = resource.checkpoint_storage()
+    assert "canary-7f3a9d" == storage.storage_options["auto_mkdir"]
+    assert b"canary-7f3a9d" not in pickle.dumps(storage)
+    assert "canary-7f3a9d" not in repr(storage)
+    monkeypatch.delenv("TEST_CANARY_SECRET")
+    with pytest.raises(StorageConfigurationError, match="TEST_CANARY_SECRET"):
+        FileSystemCheckpointStorage(
+            str(tmp_path), storage_options_from_env={"auto_mkdir": "TEST_CANARY_SECRET"}
+        )
+
+
+@pytest.mark.parametrize(
+    ("latest", "expected"),
+    [
+        (None, ["2026-10-01", "2026-10-02"]),
+        (SourcePosition("2026-10-01", 4, True), ["2026-10-02", "2026-10-03"]),
+        (SourcePosition("2026-10-02", 1, False), ["2026-10-02", "2026-10-03"]),
+        (SourcePosition("2026-10-09", 4, True), ["2026-10-10"]),
+        (SourcePosition("2026-10-10", 4, True), []),
+    ],
+)
+def test_next_partitions_continue_from_the_latest_checkpoint(latest, expected):
+    """The main job continues after the latest position, never past yesterday."""
+    import datetime as dt
+
+    assert expected == next_partitions(latest, 2, dt.date(2026, 10, 11))
+
+
+@pytest.mark.timeout(900)
+def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
+    """The README's main job, run twice on a fresh DAGSTER_HOME: the second run continues
+    from the first run's latest checkpoint, and both runs are in the instance."""
+    env = os.environ | {
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "PIPELINE_DATA_DIR": str(tmp_path / "data"),
+        "SPARK_MASTER": "local[2]",
+    }
+
+    def run() -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "pipelines.main", "--days", "1"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    first, second = run(), run()
+    assert "Latest completed checkpoint: none; next: 2026-10-01" in first
+    assert "Latest completed checkpoint: end of 2026-10-01; next: 2026-10-02" in second
+    assert "Asset check checkpoint_integrity: passed" in second
+    assert re.search(r"2026-10-02: checkpoint \d+ .* restored from \S+chk-\d+", second)
+    assert "telemetry" in (tmp_path / "home" / "dagster.yaml").read_text()
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        runs = instance.get_runs(dg.RunsFilter(job_name="daily_pipeline"))
+        assert 2 == len(runs)
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)

@@ -183,11 +183,12 @@ def _materializations(result: PartitionResult, report_dir: str):
             **state_rows,
         },
     )
+    report_path = f"{report_dir.rstrip('/')}/report_date={result.partition}"
     yield dg.AssetMaterialization(
         "daily_report",
         partition=result.partition,
         metadata={
-            "path": dg.MetadataValue.path(f"{report_dir.rstrip('/')}/report_date={result.partition}"),
+            "path": dg.MetadataValue.path(report_path),
             "users": checkpoint.state_rows.get("user_activity", 0),
         },
     )

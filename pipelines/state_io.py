@@ -1,0 +1,185 @@
+"""What runs on the executors: each partition task writes its slice of a stage's state
+through the worker view, or reads it back from its state handle.
+
+Only plain, picklable values travel to executors (a ``CheckpointStorage`` config object,
+ids, a location reference, an Arrow schema): never a Dagster resource, never an open
+filesystem, never a credential (those come from each executor's environment).
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark import TaskContext
+
+from checkpoint_storage import (
+    ByteStreamStateHandle,
+    CheckpointedStateScope,
+    CheckpointStorage,
+    CheckpointStorageLocationReference,
+    FileStateHandle,
+    RelativeFileStateHandle,
+    StreamStateHandle,
+)
+from checkpoint_storage._filesystems import url_to_fs
+
+__all__ = [
+    "HANDLE_ROW_SCHEMA",
+    "StateReadTask",
+    "StateWriteTask",
+    "handle_from_row",
+    "handle_to_row",
+    "read_state_partition",
+    "write_state_partition",
+]
+
+# One row per written state handle: executors -> driver after a checkpoint, and
+# driver -> executors for a restore. Inline state travels in `data`.
+HANDLE_ROW_SCHEMA = pa.schema(
+    [
+        ("subtask", pa.int32()),
+        ("attempt", pa.int32()),
+        ("kind", pa.string()),
+        ("path", pa.string()),
+        ("relative_path", pa.string()),
+        ("size", pa.int64()),
+        ("checksum", pa.int64()),
+        ("data", pa.binary()),
+        ("rows", pa.int64()),
+    ]
+)
+HANDLE_ROW_DDL = (
+    "subtask int, attempt int, kind string, path string, relative_path string, size long, "
+    "checksum long, data binary, rows long"
+)
+
+# Parquet's default; measured in benchmarks/stage_checkpoint.py against zstd and none.
+PARQUET_COMPRESSION = "snappy"
+
+
+def handle_to_row(handle: StreamStateHandle, subtask: int, attempt: int, rows: int) -> dict:
+    row = {"subtask": subtask, "attempt": attempt, "rows": rows, "size": handle.state_size}
+    if isinstance(handle, ByteStreamStateHandle):
+        return row | {"kind": "bytes", "path": handle.handle_name, "data": handle.data}
+    if isinstance(handle, FileStateHandle):
+        relative = isinstance(handle, RelativeFileStateHandle)
+        return row | {
+            "kind": "relative" if relative else "file",
+            "path": handle.path,
+            "relative_path": handle.relative_path if relative else None,
+            "checksum": handle.checksum,
+        }
+    raise TypeError(f"cannot ship {type(handle).__name__}")
+
+
+def handle_from_row(row: dict, storage_options: dict) -> StreamStateHandle:
+    kind = row["kind"]
+    if kind == "bytes":
+        return ByteStreamStateHandle(row["path"], row["data"])
+    fs = url_to_fs(row["path"], storage_options)[0]
+    if kind == "relative":
+        return RelativeFileStateHandle(
+            row["path"], row["relative_path"], row["size"], row["checksum"], filesystem=fs
+        )
+    if kind == "file":
+        return FileStateHandle(row["path"], row["size"], row["checksum"], filesystem=fs)
+    raise ValueError(f"unknown state handle kind {kind!r}")
+
+
+class _KeepOpen:
+    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it: the task
+    commits with ``close_and_get_handle()`` itself."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.closed = False
+
+    def write(self, data) -> int:
+        return self._stream.write(data)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass(frozen=True)
+class StateWriteTask:
+    """Everything a partition task needs to write one stage's state for one checkpoint
+    (or savepoint: its reference carries the savepoint directory)."""
+
+    storage: CheckpointStorage
+    job_id: str
+    checkpoint_id: int
+    reference: CheckpointStorageLocationReference
+    operator_id: str
+    schema: pa.Schema
+    # Test seam for retries and crashes: called after the state is written, before the
+    # handle is returned, with (subtask, attempt).
+    after_write: Callable[[int, int], None] | None = None
+
+
+def write_state_partition(
+    task: StateWriteTask, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: stream this partition's batches as one Parquet file into a
+    state stream and yield its handle (inline when small). An empty partition writes a
+    valid empty Parquet file. Names carry the partition and attempt."""
+    context = TaskContext.get()
+    subtask = context.partitionId() if context else 0
+    attempt = context.attemptNumber() if context else 0
+    access = task.storage.create_checkpoint_storage(task.job_id)
+    factory = access.resolve_checkpoint_storage_location(task.checkpoint_id, task.reference)
+    stream = factory.create_checkpoint_state_output_stream(
+        CheckpointedStateScope.EXCLUSIVE, f"{task.operator_id}-{subtask:05d}-a{attempt}-"
+    )
+    rows = 0
+    try:
+        writer = pq.ParquetWriter(_KeepOpen(stream), task.schema, compression=PARQUET_COMPRESSION)
+        for batch in batches:
+            if batch.num_rows:
+                writer.write_batch(batch if batch.schema == task.schema else _conform(batch, task))
+                rows += batch.num_rows
+        writer.close()
+        handle = stream.close_and_get_handle()
+    except BaseException:
+        stream.close()
+        raise
+    if task.after_write is not None:
+        task.after_write(subtask, attempt)
+    row = handle_to_row(handle, subtask, attempt, rows)
+    yield pa.RecordBatch.from_pylist([row], schema=HANDLE_ROW_SCHEMA)
+
+
+def _conform(batch: pa.RecordBatch, task: StateWriteTask) -> pa.RecordBatch:
+    return pa.Table.from_batches([batch]).cast(task.schema).to_batches()[0]
+
+
+@dataclass(frozen=True)
+class StateReadTask:
+    """Reads state handles back (restore). ``storage`` supplies the fsspec options."""
+
+    storage: CheckpointStorage
+    schema: pa.Schema
+
+
+def read_state_partition(
+    task: StateReadTask, handle_rows: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: for each handle row, read and verify the whole state file (size
+    and CRC-32), then yield its rows with the stage's schema."""
+    options = task.storage.storage_options
+    for rows in handle_rows:
+        for row in rows.to_pylist():
+            handle = handle_from_row(row, options)
+            with handle.open() as f:
+                data = f.read()
+            table = pq.read_table(pa.BufferReader(data))
+            if table.schema != task.schema:
+                table = table.cast(task.schema)
+            yield from table.to_batches()

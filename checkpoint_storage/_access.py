@@ -11,6 +11,11 @@ from collections.abc import Iterable
 
 from fsspec import AbstractFileSystem
 
+from checkpoint_storage._file_merging import (
+    FileMergingSnapshotManager,
+    FsMergingCheckpointStreamFactory,
+    SubtaskKey,
+)
 from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
     EntropyInjector,
@@ -377,6 +382,62 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
 
     def create_task_owned_checkpoint_state_toolset(self) -> CheckpointStateToolset:
         return FsCheckpointStateToolset(self._fs, self.task_owned_state_directory)
+
+    def to_file_merging_storage(
+        self, manager: FileMergingSnapshotManager, subtask_key: SubtaskKey
+    ) -> CheckpointStorageWorkerView:
+        """The access of ``subtask_key`` whose checkpoint streams merge into physical files
+        of ``manager``, when the storage enables file merging; else this access."""
+        if not self._storage.file_merging_enabled:
+            return self
+        if manager is None or subtask_key is None:
+            raise TypeError("manager and subtask_key must not be None")
+        if subtask_key.job_id != self.job_id.hex:
+            raise ValueError(f"{subtask_key} is not a subtask of job {self.job_id.hex}")
+        manager.init_file_system(
+            self._fs,
+            self._job_directory,
+            self.shared_state_directory,
+            self.task_owned_state_directory,
+            self._buffer_size,
+            self._threshold,
+        )
+        manager.register_subtask_for_shared_states(subtask_key)
+        return FsMergingCheckpointStorageAccess(self._storage, self.job_id, manager, subtask_key)
+
+
+class FsMergingCheckpointStorageAccess(FsCheckpointStorageAccess):
+    """A subtask's access with file merging (Flink's FsMergingCheckpointStorageAccess):
+    checkpoint streams write segments through the manager; savepoints never merge."""
+
+    def __init__(self, storage, job_id, manager, subtask_key) -> None:
+        super().__init__(storage, job_id)
+        self.file_merging_snapshot_manager = manager
+        self.subtask_key = subtask_key
+
+    def __reduce__(self):
+        raise TypeError(
+            "a file merging access belongs to its worker process: ship the storage and call "
+            "to_file_merging_storage() on the worker"
+        )
+
+    def to_file_merging_storage(self, manager, subtask_key) -> CheckpointStorageWorkerView:
+        if manager is self.file_merging_snapshot_manager and subtask_key == self.subtask_key:
+            return self
+        return FsCheckpointStorageAccess(self._storage, self.job_id).to_file_merging_storage(
+            manager, subtask_key
+        )
+
+    def resolve_checkpoint_storage_location(
+        self, checkpoint_id: int, reference: CheckpointStorageLocationReference
+    ) -> CheckpointStreamFactory:
+        if reference is None:
+            raise TypeError("reference must not be None")
+        if not reference.is_default_reference():
+            return super().resolve_checkpoint_storage_location(checkpoint_id, reference)
+        return FsMergingCheckpointStreamFactory(
+            self.file_merging_snapshot_manager, self.subtask_key, _checkpoint_id(checkpoint_id)
+        )
 
 
 class FsCheckpointStateToolset(CheckpointStateToolset):

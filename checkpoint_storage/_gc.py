@@ -6,6 +6,10 @@ attempts, aborted checkpoints (``chk-<id>`` without `_metadata`), invalid checkp
 files of a crashed local `_metadata` publish. Then it removes the ``chk-<id>`` directories this
 left empty (local disk and memory; on object stores a directory vanishes with its last object).
 
+File merging: a physical file below ``shared/<operator>_<subtask>_<parallelism>_/`` is
+referenced while any retained checkpoint holds a ``SegmentFileStateHandle`` in it, and is
+collected like any other shared file once none does (after the grace period).
+
 Never deleted: anything a retained checkpoint or ``extra_references`` names, anything younger
 than the grace period or without a modification time, ``taskowned/``, anything with a
 ``savepoint-*`` path segment, symbolic links, and anything outside the job directory.
@@ -49,7 +53,7 @@ from checkpoint_storage._filesystems import (
     modification_time,
     to_url,
 )
-from checkpoint_storage._handles import FileStateHandle
+from checkpoint_storage._handles import FileStateHandle, SegmentFileStateHandle
 from checkpoint_storage._metadata import FORMAT_VERSION, HEADER_SIZE, MAGIC
 from checkpoint_storage.exceptions import (
     CheckpointNotFoundError,
@@ -295,7 +299,8 @@ def _references_of(access, fs, job: str, job_url: str, name: str) -> set[str]:
         return set()
     paths = {join(job, name, METADATA_FILE_NAME)}
     for handle in metadata.all_handles():
-        if isinstance(handle, FileStateHandle):
+        if isinstance(handle, FileStateHandle | SegmentFileStateHandle):
+            # A physical file of file merging is live while any segment in it is referenced.
             paths.add(access._path(handle.path).rstrip("/"))
     return paths
 

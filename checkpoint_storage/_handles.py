@@ -9,12 +9,14 @@ from typing import BinaryIO
 from fsspec import AbstractFileSystem
 
 from checkpoint_storage._filesystems import url_to_fs
+from checkpoint_storage._references import CheckpointedStateScope
 from checkpoint_storage.exceptions import StateIntegrityError
 
 __all__ = [
     "ByteStreamStateHandle",
     "FileStateHandle",
     "RelativeFileStateHandle",
+    "SegmentFileStateHandle",
     "StreamStateHandle",
 ]
 
@@ -177,6 +179,212 @@ class RelativeFileStateHandle(FileStateHandle):
 
     def _init_args(self) -> tuple:
         return (self.path, self.relative_path, self._state_size, self.checksum)
+
+
+class SegmentFileStateHandle(StreamStateHandle):
+    """A segment of a physical file that file merging packed many states into (Flink's
+    SegmentFileStateHandle): ``state_size`` bytes from ``start_position`` of ``path``.
+
+    Reading it returns exactly its segment, verified against ``checksum`` (the CRC-32 of the
+    segment's bytes) when it records one. ``discard_state()`` does nothing: the physical file
+    belongs to the worker's ``FileMergingSnapshotManager``, which deletes it once no segment
+    in it is referenced any more.
+    """
+
+    __slots__ = (
+        "path",
+        "start_position",
+        "_state_size",
+        "scope",
+        "logical_file_id",
+        "checksum",
+        "_filesystem",
+    )
+
+    def __init__(
+        self,
+        path: str,
+        start_position: int,
+        state_size: int,
+        scope: CheckpointedStateScope,
+        logical_file_id: str,
+        checksum: int | None = None,
+        *,
+        filesystem: AbstractFileSystem | None = None,
+    ) -> None:
+        if path is None or scope is None or logical_file_id is None:
+            raise TypeError("path, scope and logical_file_id must not be None")
+        for name, value in (("start_position", start_position), ("state_size", state_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise ValueError(f"{name} must be an int in [0, 2^63), got {value!r}")
+        if not isinstance(scope, CheckpointedStateScope):
+            raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
+        if not isinstance(logical_file_id, str) or not logical_file_id:
+            raise ValueError(f"logical_file_id must be a non-empty str, got {logical_file_id!r}")
+        if checksum is not None and not (0 <= checksum <= 0xFFFFFFFF):
+            raise ValueError(f"checksum must be an unsigned 32-bit int, got {checksum!r}")
+        self.path = path
+        self.start_position = start_position
+        self._state_size = state_size
+        self.scope = scope
+        self.logical_file_id = logical_file_id
+        self.checksum = checksum
+        self._filesystem = filesystem
+
+    @property
+    def state_size(self) -> int:
+        return self._state_size
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + self._state_size
+
+    @property
+    def filesystem(self) -> AbstractFileSystem:
+        if self._filesystem is None:
+            self._filesystem = url_to_fs(self.path)[0]
+        return self._filesystem
+
+    def _fs_path(self) -> str:
+        return self.filesystem._strip_protocol(self.path)
+
+    def open(self) -> BinaryIO:
+        raw = self.filesystem.open(self._fs_path(), "rb")
+        try:
+            actual = _file_size(raw)
+            if actual < self.end_position:
+                raise StateIntegrityError(
+                    f"physical file {self.path} has {actual} bytes, too few for the segment "
+                    f"[{self.start_position}, {self.end_position}) its handle records: the "
+                    "file was truncated or replaced; restore from another checkpoint"
+                )
+            raw.seek(self.start_position)
+        except BaseException:
+            raw.close()
+            raise
+        return _SegmentReader(raw, self)
+
+    def discard_state(self) -> None:
+        """Nothing: the worker-side file merging manager owns the physical file."""
+
+    def _key(self) -> tuple:
+        return (self.path, self.start_position, self._state_size, self.scope, self.logical_file_id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SegmentFileStateHandle):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"SegmentFileStateHandle({self.path!r}, [{self.start_position}, "
+            f"{self.end_position}), {self.scope.value}, {self.logical_file_id!r})"
+        )
+
+    def __reduce__(self):
+        return (
+            _rebuild_segment_handle,
+            (
+                self.path,
+                self.start_position,
+                self._state_size,
+                self.scope.value,
+                self.logical_file_id,
+                self.checksum,
+                self._filesystem,
+            ),
+        )
+
+
+def _rebuild_segment_handle(path, start, size, scope, logical_file_id, checksum, filesystem):
+    return SegmentFileStateHandle(
+        path,
+        start,
+        size,
+        CheckpointedStateScope(scope),
+        logical_file_id,
+        checksum,
+        filesystem=filesystem,
+    )
+
+
+class _SegmentReader(io.RawIOBase):
+    """Reads one segment of a physical file: never past its end, and verifies its CRC-32
+    when read to the end sequentially (a seek away verifies the rest first)."""
+
+    def __init__(self, raw, handle: SegmentFileStateHandle) -> None:
+        super().__init__()
+        self._raw = raw
+        self._start, self._size = handle.start_position, handle.state_size
+        self._expected, self._url = handle.checksum, handle.path
+        self._pos = 0
+        self._crc = 0
+        self._verified_upto = self._size if self._expected is None else 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        remaining = self._size - self._pos
+        n = remaining if size is None or size < 0 else min(size, remaining)
+        data = self._raw.read(n) if n > 0 else b""
+        if self._pos == self._verified_upto and self._verified_upto < self._size:
+            self._crc = zlib.crc32(data, self._crc)
+            self._verified_upto += len(data)
+            self._check_if_complete()
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def _check_if_complete(self) -> None:
+        if self._verified_upto >= self._size and self._crc != self._expected:
+            raise StateIntegrityError(
+                f"segment [{self._start}, {self._start + self._size}) of {self._url} does not "
+                "match the checksum its handle records: the file is corrupt; restore from "
+                "another checkpoint"
+            )
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {
+            io.SEEK_SET: offset,
+            io.SEEK_CUR: self._pos + offset,
+            io.SEEK_END: self._size + offset,
+        }[whence]
+        target = max(0, min(target, self._size))
+        if target != self._verified_upto and self._verified_upto < self._size:
+            self._raw.seek(self._start + self._verified_upto)
+            while self._verified_upto < self._size:
+                chunk = self._raw.read(min(_VERIFY_CHUNK, self._size - self._verified_upto))
+                if not chunk:
+                    break
+                self._crc = zlib.crc32(chunk, self._crc)
+                self._verified_upto += len(chunk)
+            self._verified_upto = self._size
+            self._check_if_complete()
+        self._raw.seek(self._start + target)
+        self._pos = target
+        return target
+
+    def close(self) -> None:
+        if not self.closed:
+            self._raw.close()
+        super().close()
 
 
 def _rebuild_file_handle(cls, args, filesystem):

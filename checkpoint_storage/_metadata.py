@@ -16,9 +16,11 @@ from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
     RelativeFileStateHandle,
+    SegmentFileStateHandle,
     StreamStateHandle,
 )
 from checkpoint_storage._ids import JobID
+from checkpoint_storage._references import CheckpointedStateScope
 from checkpoint_storage.exceptions import InvalidCheckpointError, UnsafePathError
 
 __all__ = [
@@ -173,6 +175,8 @@ MAX_METADATA_SIZE = 256 * 1024 * 1024
 _TAG_BYTES = 1
 _TAG_FILE = 2
 _TAG_RELATIVE_FILE = 3
+_TAG_SEGMENT = 4
+_SCOPES = (CheckpointedStateScope.EXCLUSIVE, CheckpointedStateScope.SHARED)  # encoded 0, 1
 
 _U8 = struct.Struct(">B")
 _U32 = struct.Struct(">I")
@@ -249,6 +253,14 @@ def _encode_handle(w: _Writer, handle: StreamStateHandle) -> None:
         w.u8(_TAG_RELATIVE_FILE)
         w.text(handle.relative_path)
         w.u64(handle.state_size)
+        w.optional(handle.checksum, _U32)
+    elif isinstance(handle, SegmentFileStateHandle):
+        w.u8(_TAG_SEGMENT)
+        w.text(handle.path)
+        w.u64(handle.start_position)
+        w.u64(handle.state_size)
+        w.u8(_SCOPES.index(handle.scope))
+        w.text(handle.logical_file_id)
         w.optional(handle.checksum, _U32)
     elif isinstance(handle, FileStateHandle):
         w.u8(_TAG_FILE)
@@ -416,6 +428,18 @@ def _decode_handle(r: _Reader, directory: str, roots: PathRoots, fs) -> StreamSt
         path = roots.check(r.text())
         size, checksum = r.u64(), r.optional(_U32)
         return FileStateHandle(path, size, checksum, filesystem=fs)
+    if tag == _TAG_SEGMENT:
+        path = roots.check(r.text())
+        start, size = r.u64(), r.u64()
+        if start + size >= 2**63:
+            raise r.fail(f"segment [{start}, {start + size}) beyond 2^63")
+        scope = r.u8()
+        if scope >= len(_SCOPES):
+            raise r.fail(f"unknown segment scope {scope}")
+        logical_file_id, checksum = r.text(), r.optional(_U32)
+        return SegmentFileStateHandle(
+            path, start, size, _SCOPES[scope], logical_file_id, checksum, filesystem=fs
+        )
     raise r.fail(f"unknown state handle type {tag}")
 
 

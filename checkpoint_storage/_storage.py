@@ -6,6 +6,7 @@ filesystems.
 """
 
 import os
+import socket
 from abc import ABC, abstractmethod
 
 from fsspec.core import split_protocol
@@ -15,6 +16,14 @@ from checkpoint_storage._access import (
     FsCheckpointStorageAccess,
     MemoryCheckpointStorageAccess,
     resolve_checkpoint_pointer,
+)
+from checkpoint_storage._file_merging import (
+    DEFAULT_MAX_FILE_SIZE,
+    DEFAULT_MAX_SPACE_AMPLIFICATION,
+    FileMergingSnapshotManager,
+    FileMergingType,
+    PhysicalFilePoolType,
+    manager_for_job,
 )
 from checkpoint_storage._filesystems import EntropyInjector, canonical_url
 from checkpoint_storage._ids import JobID
@@ -48,6 +57,10 @@ class FileSystemCheckpointStorage(CheckpointStorage):
     FileSystemCheckpointStorage): state files above ``file_state_size_threshold`` bytes,
     inline state below it.
 
+    With ``file_merging_enabled`` (off by default, as in Flink), workers that call
+    ``to_file_merging_storage(manager, subtask_key)`` pack their state files into few physical
+    files (see ``FileMergingSnapshotManager``); savepoints never merge.
+
     ``storage_options`` are passed to fsspec (e.g. ``endpoint_url``). This object travels to
     executors, so credentials never go in there: name them in ``storage_options_from_env``
     (fsspec option -> environment variable), which each process reads from its own environment
@@ -66,6 +79,11 @@ class FileSystemCheckpointStorage(CheckpointStorage):
         storage_options_from_env: dict[str, str] | None = None,
         entropy_injection_key: str | None = None,
         entropy_length: int = 4,
+        file_merging_enabled: bool = False,
+        file_merging_across_checkpoint_boundary: bool = False,
+        file_merging_max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+        file_merging_pool_blocking: bool = False,
+        file_merging_max_space_amplification: float = DEFAULT_MAX_SPACE_AMPLIFICATION,
     ) -> None:
         if checkpoint_dir is None:
             raise TypeError("checkpoint_dir must not be None")
@@ -110,6 +128,26 @@ class FileSystemCheckpointStorage(CheckpointStorage):
                 )
         self.entropy_injection_key = entropy_injection_key
         self.entropy_length = entropy_length
+        if isinstance(file_merging_max_file_size, bool) or not (
+            isinstance(file_merging_max_file_size, int) and file_merging_max_file_size >= 1
+        ):
+            raise ValueError(
+                f"file_merging_max_file_size must be >= 1, got {file_merging_max_file_size!r}"
+            )
+        amplification = file_merging_max_space_amplification
+        if (
+            isinstance(amplification, bool)
+            or not isinstance(amplification, int | float)
+            or amplification != amplification  # NaN
+        ):
+            raise ValueError(
+                f"file_merging_max_space_amplification must be a number, got {amplification!r}"
+            )
+        self.file_merging_enabled = bool(file_merging_enabled)
+        self.file_merging_across_checkpoint_boundary = bool(file_merging_across_checkpoint_boundary)
+        self.file_merging_max_file_size = file_merging_max_file_size
+        self.file_merging_pool_blocking = bool(file_merging_pool_blocking)
+        self.file_merging_max_space_amplification = float(amplification)
 
     @property
     def storage_options(self) -> dict:
@@ -138,6 +176,32 @@ class FileSystemCheckpointStorage(CheckpointStorage):
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return FsCheckpointStorageAccess(self, job_id)
 
+    def file_merging_snapshot_manager(
+        self, job_id: JobID | str, worker_id: str | None = None
+    ) -> FileMergingSnapshotManager:
+        """This process's file merging manager of the job, configured by the
+        ``file_merging_*`` options (one per job per worker process; created on first use).
+        ``worker_id`` names its ``taskowned/<worker id>/`` directory (default: host and pid)."""
+        job = JobID.of(job_id).hex
+        if worker_id is None:
+            worker_id = f"{socket.gethostname()}-{os.getpid()}"
+        return manager_for_job(
+            job,
+            f"job_{job}_worker_{worker_id}",
+            merging_type=(
+                FileMergingType.ACROSS_CHECKPOINTS
+                if self.file_merging_across_checkpoint_boundary
+                else FileMergingType.WITHIN_CHECKPOINT
+            ),
+            max_file_size=self.file_merging_max_file_size,
+            pool_type=(
+                PhysicalFilePoolType.BLOCKING
+                if self.file_merging_pool_blocking
+                else PhysicalFilePoolType.NON_BLOCKING
+            ),
+            max_space_amplification=self.file_merging_max_space_amplification,
+        )
+
     def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
         return resolve_checkpoint_pointer(pointer, self.storage_options, self.entropy_injector)
 
@@ -152,6 +216,11 @@ class FileSystemCheckpointStorage(CheckpointStorage):
             sorted(self.storage_options_from_env.items()),
             self.entropy_injection_key,
             self.entropy_length,
+            self.file_merging_enabled,
+            self.file_merging_across_checkpoint_boundary,
+            self.file_merging_max_file_size,
+            self.file_merging_pool_blocking,
+            self.file_merging_max_space_amplification,
         )
 
     def __eq__(self, other: object) -> bool:

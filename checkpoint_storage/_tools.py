@@ -37,6 +37,7 @@ from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
     RelativeFileStateHandle,
+    SegmentFileStateHandle,
     StreamStateHandle,
 )
 from checkpoint_storage._ids import JobID
@@ -165,6 +166,8 @@ class VerificationReport:
 
 
 def _handle_label(handle: StreamStateHandle) -> str:
+    if isinstance(handle, SegmentFileStateHandle):
+        return f"{handle.path}[{handle.start_position}:{handle.end_position}]"
     if isinstance(handle, FileStateHandle):
         return handle.path
     if isinstance(handle, ByteStreamStateHandle):
@@ -209,11 +212,13 @@ def verify_checkpoint(
     # A file referenced twice with the same size and checksum is read once.
     unique: dict[object, StreamStateHandle] = {}
     for handle in handles:
-        key = (
-            ("file", handle.path, handle.state_size, handle.checksum)
-            if isinstance(handle, FileStateHandle)
-            else ("other", id(handle))
-        )
+        if isinstance(handle, FileStateHandle):
+            key = ("file", handle.path, handle.state_size, handle.checksum)
+        elif isinstance(handle, SegmentFileStateHandle):
+            # Each segment is checked: its own bytes and checksum within the physical file.
+            key = ("segment", handle.path, handle.start_position, handle.state_size)
+        else:
+            key = ("other", id(handle))
         unique.setdefault(key, handle)
     to_check = list(unique.values())
     counter = _ProgressCounter(sum(h.state_size for h in to_check), progress)
@@ -635,7 +640,13 @@ def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> Ch
         STATUS_COMPLETED,
         job,
         state_size=metadata.state_size,
-        file_count=len({h.path for h in metadata.all_handles() if isinstance(h, FileStateHandle)}),
+        file_count=len(
+            {
+                h.path
+                for h in metadata.all_handles()
+                if isinstance(h, FileStateHandle | SegmentFileStateHandle)
+            }
+        ),
         modified=modified,
     )
 

@@ -51,11 +51,12 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from checkpoint_storage._access import resolve_checkpoint_pointer
-from checkpoint_storage._filesystems import check_pointer, format_size, url_to_fs
+from checkpoint_storage._filesystems import check_pointer, format_size, parent_and_name, url_to_fs
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
     RelativeFileStateHandle,
+    SegmentFileStateHandle,
 )
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._metadata import CheckpointMetadata
@@ -580,6 +581,17 @@ def _handle_json(handle) -> dict:
             "size": handle.state_size,
             "crc32": None,
         }
+    if isinstance(handle, SegmentFileStateHandle):
+        return {
+            "type": "segment",
+            "name": handle.logical_file_id,
+            "path": handle.path,
+            "relative_path": None,
+            "size": handle.state_size,
+            "crc32": _crc(handle.checksum),
+            "start": handle.start_position,
+            "scope": handle.scope.value.lower(),
+        }
     relative = handle.relative_path if isinstance(handle, RelativeFileStateHandle) else None
     return {
         "type": "relative-file" if relative is not None else "file",
@@ -647,6 +659,8 @@ def _cmd_inspect(args, options: dict) -> int:
         return EXIT_OK
     handles = metadata.all_handles()
     files = sum(1 for h in handles if isinstance(h, FileStateHandle))
+    segments = [h for h in handles if isinstance(h, SegmentFileStateHandle)]
+    physical = len({h.path for h in segments})
     header = [
         ("pointer", doc["pointer"]),
         ("checkpoint id", str(doc["checkpoint_id"])),
@@ -665,7 +679,12 @@ def _cmd_inspect(args, options: dict) -> int:
             "state size",
             f"{_size(metadata.state_size)} ({metadata.state_size} bytes) in "
             f"{_count(len(handles), 'handle')}: {_count(files, 'file')}, "
-            f"{len(handles) - files} inline",
+            + (
+                f"{_count(len(segments), 'segment')} in {_count(physical, 'physical file')}, "
+                if segments
+                else ""
+            )
+            + f"{len(handles) - files - len(segments)} inline",
         ),
     ]
     width = max(len(k) for k, _ in header)
@@ -704,6 +723,11 @@ def _cmd_inspect(args, options: dict) -> int:
             for h in subtask["handles"]:
                 if h["type"] == "inline":
                     where = _below(h["name"], doc["pointer"]) + " (inline)"
+                elif h["type"] == "segment":
+                    where = (
+                        f"{_below(h['path'], parent_and_name(doc['pointer'])[0])}"
+                        f"[{h['start']}:{h['start'] + h['size']}] ({h['scope']})"
+                    )
                 else:
                     where = h["relative_path"] or _below(h["path"], doc["pointer"])
                 rows.append(

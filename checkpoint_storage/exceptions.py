@@ -11,7 +11,9 @@ The tree::
     │                                       the filesystem cannot publish `_metadata` atomically
     ├── StorageConfigurationError (ValueError)
     │                                       the storage cannot be opened as configured here, e.g.
-    │                                       an environment variable holding a credential is unset
+    │                                       an environment variable holding a credential is
+    │                                       unset, or a file merging manager initialised again
+    │                                       with another job's directories
     ├── CheckpointNotFoundError (FileNotFoundError)
     │                                       no checkpoint at the pointer (or no `_metadata` in it)
     ├── CheckpointAlreadyExistsError (FileExistsError)

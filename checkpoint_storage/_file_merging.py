@@ -50,9 +50,9 @@ from checkpoint_storage._handles import (
 )
 from checkpoint_storage._references import CheckpointedStateScope
 from checkpoint_storage._streams import (
+    BufferedStateOutputStream,
     CheckpointStateOutputStream,
     CheckpointStreamFactory,
-    _closed_error,
     _inline_names,
     check_name_prefix,
 )
@@ -909,64 +909,22 @@ def release_manager_for_job(job_id: str) -> None:
 # --- the merging stream ------------------------------------------------------------------
 
 
-class FileMergingCheckpointStateOutputStream(CheckpointStateOutputStream):
+class FileMergingCheckpointStateOutputStream(BufferedStateOutputStream):
     """Buffers up to the inline threshold (inline handle); beyond it, appends a segment to a
     physical file taken from the manager's pool, held until commit or abort."""
 
     def __init__(self, manager, subtask_key, checkpoint_id, scope, buffer_size, threshold):
+        super().__init__(buffer_size, threshold)
         self._manager = manager
         self._subtask_key = subtask_key
         self._checkpoint_id = checkpoint_id
         self._scope = scope
-        self._capacity = max(buffer_size, threshold, 1)
-        self._threshold = threshold
-        self._buffer = bytearray()
         self._file: PhysicalFile | None = None
         self._start = 0
-        self._flushed = 0
         self._crc = 0
-        self._closed = False
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def write(self, data) -> int:
-        if self._closed:
-            raise _closed_error()
-        view = memoryview(data).cast("B")
-        n = len(view)
-        if len(self._buffer) + n <= self._capacity:
-            self._buffer += view
-            return n
-        try:
-            self._flush_buffer()
-            if n >= self._capacity:
-                self._write_to_file(view)
-            else:
-                self._buffer += view
-        except BaseException:
-            self.close()
-            raise
-        return n
-
-    def tell(self) -> int:
-        return self._flushed + len(self._buffer)
-
-    def flush(self) -> None:
-        if self._closed:
-            raise _closed_error()
-        if self._file is not None or len(self._buffer) > self._threshold:
-            try:
-                self._flush_buffer()
-            except BaseException:
-                self.close()
-                raise
-
-    def _flush_buffer(self) -> None:
-        if self._buffer:
-            self._write_to_file(memoryview(self._buffer))
-            self._buffer = bytearray()
+    def _has_file(self) -> bool:
+        return self._file is not None
 
     def _write_to_file(self, view: memoryview) -> None:
         if self._file is None:

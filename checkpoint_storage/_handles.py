@@ -81,13 +81,9 @@ class ByteStreamStateHandle(StreamStateHandle):
         return (ByteStreamStateHandle, (self.handle_name, self.data))
 
 
-class FileStateHandle(StreamStateHandle):
-    """State in a file, addressed by its absolute URL.
-
-    ``checksum`` is the CRC-32 of the file's bytes; reading through ``open()`` fails with
-    ``StateIntegrityError`` when the file's size or checksum differ. ``filesystem`` is the
-    fsspec filesystem to read it with (resolved from the URL when not given).
-    """
+class _StoredStateHandle(StreamStateHandle):
+    """State stored in (part of) a file at ``path``: the size, checksum and filesystem
+    bookkeeping that file and segment handles share."""
 
     __slots__ = ("path", "_state_size", "checksum", "_filesystem")
 
@@ -95,13 +91,12 @@ class FileStateHandle(StreamStateHandle):
         self,
         path: str,
         state_size: int,
-        checksum: int | None = None,
-        *,
-        filesystem: AbstractFileSystem | None = None,
+        checksum: int | None,
+        filesystem: AbstractFileSystem | None,
     ) -> None:
         if path is None:
             raise TypeError("path must not be None")
-        if not isinstance(state_size, int) or state_size < 0:
+        if isinstance(state_size, bool) or not isinstance(state_size, int) or state_size < 0:
             raise ValueError(f"state_size must be a non-negative int, got {state_size!r}")
         if checksum is not None and not (0 <= checksum <= 0xFFFFFFFF):
             raise ValueError(f"checksum must be an unsigned 32-bit int, got {checksum!r}")
@@ -122,6 +117,27 @@ class FileStateHandle(StreamStateHandle):
 
     def _fs_path(self) -> str:
         return self.filesystem._strip_protocol(self.path)
+
+
+class FileStateHandle(_StoredStateHandle):
+    """State in a file, addressed by its absolute URL.
+
+    ``checksum`` is the CRC-32 of the file's bytes; reading through ``open()`` fails with
+    ``StateIntegrityError`` when the file's size or checksum differ. ``filesystem`` is the
+    fsspec filesystem to read it with (resolved from the URL when not given).
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        path: str,
+        state_size: int,
+        checksum: int | None = None,
+        *,
+        filesystem: AbstractFileSystem | None = None,
+    ) -> None:
+        super().__init__(path, state_size, checksum, filesystem)
 
     def open(self) -> BinaryIO:
         raw = self.filesystem.open(self._fs_path(), "rb")
@@ -181,7 +197,7 @@ class RelativeFileStateHandle(FileStateHandle):
         return (self.path, self.relative_path, self._state_size, self.checksum)
 
 
-class SegmentFileStateHandle(StreamStateHandle):
+class SegmentFileStateHandle(_StoredStateHandle):
     """A segment of a physical file that file merging packed many states into (Flink's
     SegmentFileStateHandle): ``state_size`` bytes from ``start_position`` of ``path``.
 
@@ -191,15 +207,7 @@ class SegmentFileStateHandle(StreamStateHandle):
     in it is referenced any more.
     """
 
-    __slots__ = (
-        "path",
-        "start_position",
-        "_state_size",
-        "scope",
-        "logical_file_id",
-        "checksum",
-        "_filesystem",
-    )
+    __slots__ = ("start_position", "scope", "logical_file_id")
 
     def __init__(
         self,
@@ -221,32 +229,14 @@ class SegmentFileStateHandle(StreamStateHandle):
             raise TypeError(f"scope must be a CheckpointedStateScope, got {scope!r}")
         if not isinstance(logical_file_id, str) or not logical_file_id:
             raise ValueError(f"logical_file_id must be a non-empty str, got {logical_file_id!r}")
-        if checksum is not None and not (0 <= checksum <= 0xFFFFFFFF):
-            raise ValueError(f"checksum must be an unsigned 32-bit int, got {checksum!r}")
-        self.path = path
+        super().__init__(path, state_size, checksum, filesystem)
         self.start_position = start_position
-        self._state_size = state_size
         self.scope = scope
         self.logical_file_id = logical_file_id
-        self.checksum = checksum
-        self._filesystem = filesystem
-
-    @property
-    def state_size(self) -> int:
-        return self._state_size
 
     @property
     def end_position(self) -> int:
         return self.start_position + self._state_size
-
-    @property
-    def filesystem(self) -> AbstractFileSystem:
-        if self._filesystem is None:
-            self._filesystem = url_to_fs(self.path)[0]
-        return self._filesystem
-
-    def _fs_path(self) -> str:
-        return self.filesystem._strip_protocol(self.path)
 
     def open(self) -> BinaryIO:
         raw = self.filesystem.open(self._fs_path(), "rb")

@@ -168,37 +168,21 @@ def _closed_error() -> StreamClosedError:
     return StreamClosedError("the state stream is closed; create a new stream to write state")
 
 
-class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
-    """Buffers up to the inline threshold; beyond it, streams into a lazily created file.
+class BufferedStateOutputStream(CheckpointStateOutputStream):
+    """Buffers writes up to ``max(buffer_size, threshold)`` bytes; beyond that, hands them
+    to ``_write_to_file`` in large pieces. A write or flush that fails aborts the stream (a
+    stream that lost bytes must never commit).
 
-    ``directory`` returns the directory URL for the file (called once, when the file is
-    created: entropy injection draws fresh characters per file). Files get UUID names and are
-    never overwritten; the stream issues no exists/mkdir calls.
+    Subclasses implement ``_write_to_file``, ``close_and_get_handle`` and ``close``, and may
+    override ``_flush_file`` to push their file's own buffers.
     """
 
-    def __init__(
-        self,
-        fs: AbstractFileSystem,
-        directory: Callable[[], str],
-        buffer_size: int,
-        threshold: int,
-        relative: bool,
-        name_prefix: str = "",
-    ) -> None:
-        self._fs = fs
-        self._directory = directory
-        self._name_prefix = check_name_prefix(name_prefix)
+    def __init__(self, buffer_size: int, threshold: int) -> None:
         # Grows on demand up to the capacity: most inline states are far below it.
         self._buffer = bytearray()
         self._capacity = max(buffer_size, threshold, 1)
         self._threshold = threshold
-        self._relative = relative
-        self._file = None
-        self._file_url: str | None = None
-        self._file_dir: str | None = None
-        self._file_name: str | None = None
         self._flushed = 0
-        self._checksum = _Checksum()
         self._closed = False
 
     @property
@@ -220,7 +204,7 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
             else:
                 self._buffer += view
         except BaseException:
-            self.close()  # a stream that lost bytes must never commit: abort it
+            self.close()
             raise
         return n
 
@@ -230,20 +214,65 @@ class FsCheckpointStateOutputStream(CheckpointStateOutputStream):
     def flush(self) -> None:
         if self._closed:
             raise _closed_error()
-        if self._file is not None or len(self._buffer) > self._threshold:
+        if self._has_file() or len(self._buffer) > self._threshold:
             try:
                 self._flush_buffer()
-                self._file.flush()
+                self._flush_file()
             except BaseException:
                 self.close()
                 raise
 
     def _flush_buffer(self) -> None:
-        if self._file is None:
-            self._open_file()
         if self._buffer:
             self._write_to_file(memoryview(self._buffer))
             self._buffer = bytearray()
+
+    def _flush_file(self) -> None:
+        """Push the file's own buffers after a ``flush()``; nothing by default."""
+
+    @abstractmethod
+    def _has_file(self) -> bool:
+        """Whether bytes already went to a file (so the state can no longer be inline)."""
+
+    @abstractmethod
+    def _write_to_file(self, view: memoryview) -> None:
+        """Append ``view`` to the stream's file (creating it on first use); count it in
+        ``self._flushed``."""
+
+
+class FsCheckpointStateOutputStream(BufferedStateOutputStream):
+    """Buffers up to the inline threshold; beyond it, streams into a lazily created file.
+
+    ``directory`` returns the directory URL for the file (called once, when the file is
+    created: entropy injection draws fresh characters per file). Files get UUID names and are
+    never overwritten; the stream issues no exists/mkdir calls.
+    """
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        directory: Callable[[], str],
+        buffer_size: int,
+        threshold: int,
+        relative: bool,
+        name_prefix: str = "",
+    ) -> None:
+        super().__init__(buffer_size, threshold)
+        self._fs = fs
+        self._directory = directory
+        self._name_prefix = check_name_prefix(name_prefix)
+        self._relative = relative
+        self._file = None
+        self._file_url: str | None = None
+        self._file_dir: str | None = None
+        self._file_name: str | None = None
+        self._checksum = _Checksum()
+
+    def _has_file(self) -> bool:
+        return self._file is not None
+
+    def _flush_file(self) -> None:
+        self._file.flush()
 
     def _write_to_file(self, view: memoryview) -> None:
         if self._file is None:

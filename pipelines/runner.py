@@ -44,7 +44,11 @@ from checkpoint_storage import (
     store_checkpoint_metadata,
 )
 from checkpoint_storage._filesystems import url_to_fs
-from checkpoint_storage.exceptions import CheckpointAlreadyExistsError, CommitStateUnknownError
+from checkpoint_storage.exceptions import (
+    CheckpointAlreadyExistsError,
+    CheckpointNotFoundError,
+    CommitStateUnknownError,
+)
 from pipelines.events import batch_urls
 from pipelines.stages import EVENT_SCHEMA, STAGES, Stage, empty_state
 from pipelines.state_io import (
@@ -59,11 +63,13 @@ from pipelines.state_io import (
 
 __all__ = [
     "POSITION_STATE",
+    "SCHEDULED_SAVEPOINTS",
     "CheckpointSummary",
     "MissingStateError",
     "PartitionResult",
     "SourcePosition",
     "StatefulRunner",
+    "check_restore_from",
     "job_id_for",
 ]
 
@@ -71,6 +77,8 @@ logger = logging.getLogger(__name__)
 
 POSITION_STATE = "source-position"
 SCHEMA_STATE_PREFIX = "state-schema/"
+# The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
+SCHEDULED_SAVEPOINTS = "scheduled"
 
 
 def job_id_for(pipeline_name: str) -> JobID:
@@ -133,6 +141,42 @@ class SourcePosition:
 
 class MissingStateError(LookupError):
     """No snapshot holds the state a partition needs to start from."""
+
+
+def _does_not_fit_message(pointer: str, position: SourcePosition, partition: str) -> str:
+    return (
+        f"{pointer} holds the state at {position}, but processing {partition} starts from "
+        f"the end of {previous_partition(partition)} (or from within {partition}): choose a "
+        "snapshot that fits, or a range that starts right after it"
+    )
+
+
+def check_restore_from(
+    storage: CheckpointStorage,
+    pointer: str,
+    partition: str,
+    pipeline_name: str = "user_activity",
+) -> SourcePosition:
+    """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
+    to validate and to fit ``partition``; ``MissingStateError`` with a clear message
+    otherwise. Storage only (reads one `_metadata`): run it before any Spark work."""
+    partition = dt.date.fromisoformat(partition).isoformat()
+    access = storage.create_checkpoint_storage(job_id_for(pipeline_name))
+    try:
+        location = access.resolve_checkpoint(pointer)
+        position = SourcePosition.of(location.load_metadata())
+    except CheckpointNotFoundError as exc:
+        raise MissingStateError(
+            f"restore_from {pointer} does not exist (no completed `_metadata` there: {exc}): "
+            "name a savepoint or checkpoint directory that holds a `_metadata`, e.g. from "
+            "`checkpoints list <savepoint_dir>` (scheduled ones are in <savepoint_dir>/scheduled)"
+        ) from exc
+    except InvalidCheckpointError as exc:
+        raise MissingStateError(f"restore_from {pointer} is not a usable snapshot: {exc}") from exc
+    if not position.fits(partition):
+        pointer = location.external_pointer
+        raise MissingStateError(_does_not_fit_message(pointer, position, partition))
+    return position
 
 
 @dataclass(frozen=True)
@@ -498,10 +542,7 @@ class StatefulRunner:
             position = SourcePosition.of(metadata)
             if not position.fits(partition):
                 raise MissingStateError(
-                    f"{location.external_pointer} holds the state at {position}, but "
-                    f"processing {partition} starts from the end of "
-                    f"{previous_partition(partition)} (or from within {partition}): "
-                    "choose a snapshot that fits, or a range that starts right after it"
+                    _does_not_fit_message(location.external_pointer, position, partition)
                 )
             checkpoint = self.store.restore(location, mode)
             return checkpoint.external_pointer, self.restore_states(metadata), position
@@ -537,10 +578,13 @@ class StatefulRunner:
         if directory is None:
             return []
         fs, path = url_to_fs(directory, self.storage.storage_options)
-        try:
-            entries = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
+        entries = []
+        # Hand-made savepoints lie in the savepoint directory, scheduled ones in scheduled/.
+        for folder in (path, f"{path.rstrip('/')}/{SCHEDULED_SAVEPOINTS}"):
+            try:
+                entries += fs.ls(folder, detail=False)
+            except FileNotFoundError:
+                continue
         fitting = []
         for entry in sorted(entries):
             pointer = fs.unstrip_protocol(entry) if "://" in directory else entry

@@ -1,0 +1,111 @@
+"""Fixtures and helpers for the schedule and sensor tests: the pipelines' session-scoped
+Spark, tmp-dir resources, and snapshots written with the library alone (no Spark) for tests
+that only need storage in a known shape."""
+
+import os
+import time
+from pathlib import Path
+
+import dagster as dg
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
+
+from checkpoint_storage import (
+    CheckpointMetadata,
+    CheckpointProperties,
+    OperatorState,
+    OperatorSubtaskState,
+)
+from pipelines.assets import click_events, user_activity
+from pipelines.runner import POSITION_STATE, SourcePosition, job_id_for
+from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+from tests.pipelines.conftest import spark  # noqa: F401  (the session-scoped real Spark)
+from tests.support import finalize, payload, write_state
+
+SMALL_LANDING = {"batches_per_day": 2, "events_per_batch": 200, "users": 20, "seed": 3}
+STATE_BYTES = 2048  # above the threshold below: each snapshot has one state file
+
+
+def storage_resource(tmp_path: Path, **options) -> CheckpointStorageResource:
+    return CheckpointStorageResource(
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        savepoint_dir=str(tmp_path / "savepoints"),
+        file_state_size_threshold=1024,
+        **options,
+    )
+
+
+def resources_for(tmp_path: Path, spark_resource=None, **storage) -> dict:
+    return {
+        "spark": spark_resource or SparkResource(master="local[2]"),
+        "checkpoint_storage": storage_resource(tmp_path, **storage),
+        "lake": DataLakeResource(
+            landing_dir=str(tmp_path / "landing"), report_dir=str(tmp_path / "reports")
+        ),
+    }
+
+
+def materialize_range(instance, resources, first: str, last: str, **config):
+    return dg.materialize(
+        [click_events, user_activity],
+        instance=instance,
+        resources=resources,
+        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
+        run_config={
+            "ops": {
+                "click_events": {"config": SMALL_LANDING},
+                "user_activity": {"config": config},
+            }
+        },
+        raise_on_error=False,
+    )
+
+
+def pipeline_access(resource: CheckpointStorageResource):
+    access = resource.checkpoint_storage().create_checkpoint_storage(job_id_for("user_activity"))
+    access.initialize_base_locations()
+    return access
+
+
+def write_snapshot(
+    access,
+    checkpoint_id: int,
+    position: SourcePosition,
+    *,
+    savepoint_dir: str | None = None,
+    age_s: float = 0.0,
+) -> str:
+    """A completed checkpoint (or, with ``savepoint_dir``, a savepoint below it) of the
+    pipeline holding ``position`` and one state file; its files are made ``age_s`` old."""
+    if savepoint_dir is None:
+        location = access.initialize_location_for_checkpoint(checkpoint_id)
+        properties = CheckpointProperties.for_checkpoint()
+    else:
+        location = access.initialize_location_for_savepoint(checkpoint_id, savepoint_dir)
+        properties = CheckpointProperties.for_savepoint()
+    handle = write_state(location, payload(STATE_BYTES, checkpoint_id))
+    metadata = CheckpointMetadata(
+        checkpoint_id,
+        (OperatorState("user_activity", 1, subtask_states={0: OperatorSubtaskState((handle,))}),),
+        {POSITION_STATE: position.to_bytes()},
+        properties,
+        access.job_id,
+        int(time.time() * 1000),
+    )
+    pointer = finalize(location, metadata).external_pointer
+    if age_s:
+        age(Path(pointer), age_s)
+    return pointer
+
+
+def age(path: Path, seconds: float) -> None:
+    """Set the modification time of ``path`` (and everything below it) ``seconds`` back."""
+    stamp = time.time() - seconds
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        os.utime(item, (stamp, stamp))
+
+
+def files_below(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}

@@ -1,0 +1,77 @@
+"""Backfill from a savepoint: a ``restore_from`` that does not exist or does not fit the
+range fails the run before any Spark work, with a message that says why."""
+
+from functools import cached_property
+
+import dagster as dg
+
+from pipelines.runner import SourcePosition
+from resources import SparkResource
+from tests.sensors.conftest import materialize_range, pipeline_access, resources_for
+from tests.sensors.conftest import write_snapshot as snapshot
+
+SPARK_GUARD = "the Spark session was requested"
+
+
+class NoSpark(SparkResource):
+    """A Spark resource that fails the run if anything asks it for a session."""
+
+    @cached_property
+    def session(self):
+        raise AssertionError(SPARK_GUARD)
+
+
+def failure_message(result) -> str:
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    error = failure.event_specific_data.error
+    return (error.cause or error).message.strip()
+
+
+def test_restore_from_that_does_not_exist_fails_before_spark(tmp_path):
+    """restore_from naming a directory without `_metadata` fails the run with "does not
+    exist", and the Spark session was never requested."""
+    resources = resources_for(tmp_path, spark_resource=NoSpark())
+    missing = str(tmp_path / "savepoints" / "savepoint-2b2376-000000000000")
+    with dg.instance_for_test() as instance:
+        result = materialize_range(
+            instance, resources, "2026-10-02", "2026-10-03", restore_from=missing
+        )
+    message = failure_message(result)
+    assert not result.success
+    expected = f"pipelines.runner.MissingStateError: restore_from {missing} does not exist"
+    assert expected == message[: len(expected)]
+    assert SPARK_GUARD not in message
+
+
+def test_restore_from_that_does_not_fit_fails_before_spark(tmp_path):
+    """A savepoint at the end of 10-01 restored into a range starting 10-05 fails with the
+    position it holds and the one the range needs, before any Spark work."""
+    resources = resources_for(tmp_path, spark_resource=NoSpark())
+    access = pipeline_access(resources["checkpoint_storage"])
+    pointer = snapshot(
+        access, 4, SourcePosition("2026-10-01", 2, True), savepoint_dir=str(tmp_path / "sp")
+    )
+    with dg.instance_for_test() as instance:
+        result = materialize_range(
+            instance, resources, "2026-10-05", "2026-10-06", restore_from=pointer
+        )
+    assert (
+        f"pipelines.runner.MissingStateError: {pointer} holds the state at end of 2026-10-01, "
+        "but processing 2026-10-05 starts from the end of 2026-10-04 (or from within "
+        "2026-10-05): choose a snapshot that fits, or a range that starts right after it"
+    ) == failure_message(result)
+
+
+def test_restore_from_that_fits_gets_as_far_as_spark(tmp_path):
+    """The same savepoint restored into a range starting 10-02 passes validation: the run
+    gets as far as asking for the Spark session (so the failures above are validation's)."""
+    resources = resources_for(tmp_path, spark_resource=NoSpark())
+    access = pipeline_access(resources["checkpoint_storage"])
+    pointer = snapshot(
+        access, 4, SourcePosition("2026-10-01", 2, True), savepoint_dir=str(tmp_path / "sp")
+    )
+    with dg.instance_for_test() as instance:
+        result = materialize_range(
+            instance, resources, "2026-10-02", "2026-10-02", restore_from=pointer
+        )
+    assert f"AssertionError: {SPARK_GUARD}" == failure_message(result)

@@ -1,0 +1,176 @@
+"""The savepoint schedule and job on a real instance: the schedule's run request is keyed
+by the scheduled time; the job writes a real savepoint through Spark (scheduled ones into
+<savepoint_dir>/scheduled, hand-made ones into <savepoint_dir>) and records it as an
+observation; a backfill from it leaves checkpoints that a later regular run continues."""
+
+import datetime as dt
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from pipelines.runner import SourcePosition
+from sensors import SAVEPOINT_KIND_TAG, savepoint_job, savepoint_schedule
+from tests.sensors.conftest import (
+    materialize_range,
+    pipeline_access,
+    resources_for,
+    storage_resource,
+)
+from tests.sensors.conftest import write_snapshot as snapshot
+
+TICK = dt.datetime(2026, 10, 2, 3, 0, tzinfo=dt.UTC)
+
+
+def evaluate_schedule(instance, resource, when=TICK):
+    context = dg.build_schedule_context(
+        instance=instance, scheduled_execution_time=when,
+        resources={"checkpoint_storage": resource},
+    )  # fmt: skip
+    return savepoint_schedule.evaluate_tick(context)
+
+
+def test_schedule_requests_one_scheduled_savepoint_per_tick(tmp_path):
+    """With a completed checkpoint, a tick requests a scheduled savepoint run whose run key
+    is the scheduled time: the same tick gives the same key, the next tick another."""
+    resource = storage_resource(tmp_path)
+    snapshot(pipeline_access(resource), 1, SourcePosition("2026-10-01", 2, True))
+    with dg.instance_for_test() as instance:
+        (first,) = evaluate_schedule(instance, resource).run_requests
+        (again,) = evaluate_schedule(instance, resource).run_requests
+        (later,) = evaluate_schedule(instance, resource, TICK + dt.timedelta(days=1)).run_requests
+    assert "scheduled-savepoint-2026-10-02T03:00:00+00:00" == first.run_key == again.run_key
+    assert "scheduled-savepoint-2026-10-03T03:00:00+00:00" == later.run_key
+    assert {"ops": {"take_savepoint": {"config": {"scheduled": True}}}} == first.run_config
+    assert "scheduled" == first.tags[SAVEPOINT_KIND_TAG]
+
+
+def test_schedule_skips_without_a_completed_checkpoint(tmp_path):
+    """Before the pipeline completed a checkpoint, the tick skips and says why."""
+    with dg.instance_for_test() as instance:
+        data = evaluate_schedule(instance, storage_resource(tmp_path))
+    assert [] == list(data.run_requests or [])
+    assert "no completed checkpoint of user_activity" in data.skip_message
+
+
+def test_schedule_is_daily_by_default_and_running():
+    """Without SAVEPOINT_CRON the schedule runs daily (03:00 UTC) and starts RUNNING."""
+    assert ("0 3 * * *", "UTC", dg.DefaultScheduleStatus.RUNNING) == (
+        savepoint_schedule.cron_schedule,
+        savepoint_schedule.execution_timezone,
+        savepoint_schedule.default_status,
+    )
+
+
+def test_code_location_registers_the_schedule_and_sensors_running():
+    """The code location holds the savepoint job and schedule, the retention and recovery
+    sensors, each starting RUNNING, and still validates."""
+    from pipelines.definitions import defs
+
+    with dg.instance_for_test():  # Dagster resolves definitions against a live instance
+        dg.Definitions.validate_loadable(defs)
+        repository = defs.get_repository_def()
+        statuses = {
+            s.name: s.default_status.value
+            for s in [*repository.schedule_defs, *repository.sensor_defs]
+        }
+        assert repository.has_job("savepoint_job")
+    assert {
+        "savepoint_schedule": "RUNNING",
+        "checkpoint_retention_sensor": "RUNNING",
+        "daily_pipeline_recovery_sensor": "RUNNING",
+    } == statuses
+
+
+# --- with Spark --------------------------------------------------------------------------
+
+
+def observations(instance) -> list[dict]:
+    records = instance.fetch_observations(dg.AssetKey("user_activity"), limit=10).records
+    return [
+        {k: v.value for k, v in r.asset_observation.metadata.items()} for r in reversed(records)
+    ]
+
+
+def user_activity_metadata(instance) -> dict[str, dict]:
+    records = instance.fetch_materializations(dg.AssetKey("user_activity"), limit=20).records
+    return {
+        r.asset_materialization.partition: {
+            k: v.value for k, v in r.asset_materialization.metadata.items()
+        }
+        for r in reversed(records)  # oldest first: the newest materialization of a day wins
+    }
+
+
+@pytest.fixture(scope="module")
+def savepointed(spark, tmp_path_factory):
+    """One day materialized, then a scheduled and a hand-made savepoint of it."""
+    tmp_path = tmp_path_factory.mktemp("savepoints")
+    resources = resources_for(tmp_path)
+    with dg.instance_for_test() as instance:
+        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        scheduled = savepoint_job.execute_in_process(
+            instance=instance,
+            resources=resources,
+            run_config={"ops": {"take_savepoint": {"config": {"scheduled": True}}}},
+            tags={SAVEPOINT_KIND_TAG: "scheduled"},
+        )
+        by_hand = savepoint_job.execute_in_process(instance=instance, resources=resources)
+        yield instance, resources, tmp_path, (scheduled, by_hand)
+
+
+def test_savepoint_job_writes_the_savepoint_and_records_it(savepointed):
+    """The scheduled run writes a self-contained savepoint into savepoints/scheduled holding
+    the latest checkpoint's state, and records pointer, size, position and checkpoint id."""
+    instance, resources, tmp_path, (run, _) = savepointed
+    assert run.success
+    checkpoint = user_activity_metadata(instance)["2026-10-01"]
+    (directory,) = (tmp_path / "savepoints" / "scheduled").iterdir()
+    stored = pipeline_access(resources["checkpoint_storage"]).resolve_checkpoint(str(directory))
+    stored = stored.load_metadata()
+    observed = observations(instance)[0]
+    assert {
+        "savepoint_pointer": str(directory),
+        "savepoint_kind": "scheduled",
+        "taken_from": checkpoint["checkpoint_pointer"],
+        "checkpoint_id": checkpoint["checkpoint_id"],
+        "source_position": "end of 2026-10-01",
+        "state_bytes": stored.state_size,
+    } == {k: observed[k] for k in (
+        "savepoint_pointer", "savepoint_kind", "taken_from", "checkpoint_id", "source_position",
+        "state_bytes",
+    )}  # fmt: skip
+    assert stored.properties.is_savepoint()
+    assert checkpoint["state_rows_user_activity"] == observed["state_rows_user_activity"]
+    assert all(
+        h.path.startswith(str(directory)) for h in stored.all_handles() if hasattr(h, "path")
+    )
+
+
+def test_savepoint_made_by_hand_goes_to_the_savepoint_directory(savepointed):
+    """The job launched without config writes into savepoints/ itself, not scheduled/."""
+    instance, _, tmp_path, (_, run) = savepointed
+    assert run.success
+    observed = observations(instance)[1]
+    assert ("hand-made", tmp_path / "savepoints") == (
+        observed["savepoint_kind"],
+        Path(observed["savepoint_pointer"]).parent,
+    )
+
+
+def test_backfill_from_the_savepoint_leaves_checkpoints_later_runs_continue(savepointed):
+    """A backfill of 10-02..10-03 restoring from the scheduled savepoint succeeds in one run,
+    starts from the savepoint, and the next regular run (10-04) continues from the
+    checkpoint the backfill left."""
+    instance, resources, _, _ = savepointed
+    pointer = observations(instance)[0]["savepoint_pointer"]
+    backfill = materialize_range(
+        instance, resources, "2026-10-02", "2026-10-03", restore_from=pointer
+    )
+    regular = materialize_range(instance, resources, "2026-10-04", "2026-10-04")
+    meta = user_activity_metadata(instance)
+    assert (True, True) == (backfill.success, regular.success)
+    assert pointer == meta["2026-10-02"]["restored_from"]
+    assert meta["2026-10-02"]["checkpoint_pointer"] == meta["2026-10-03"]["restored_from"]
+    assert meta["2026-10-03"]["checkpoint_pointer"] == meta["2026-10-04"]["restored_from"]
+    assert Path(pointer, "_metadata").is_file()  # NO_CLAIM: the savepoint stays

@@ -10,20 +10,16 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
 
 from checkpoint_storage import FileSystemCheckpointStorage, StorageConfigurationError
 from pipelines.assets import checkpoint_integrity, click_events, user_activity
 from pipelines.definitions import defs
 from pipelines.main import next_partitions
 from pipelines.runner import SourcePosition
-from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+from resources import CheckpointStorageResource
+from tests.pipelines.support import materialize_range, resources_for
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 300, "users": 30, "seed": 1}
 
 
 def test_code_location_loads():
@@ -42,36 +38,6 @@ def test_workspace_and_pyproject_name_the_same_location():
     assert (tool["module_name"], tool["code_location_name"]) == (
         module["module_name"],
         module["location_name"],
-    )
-
-
-def resources_for(tmp_path: Path, **storage) -> dict:
-    return {
-        "spark": SparkResource(master="local[2]"),
-        "checkpoint_storage": CheckpointStorageResource(
-            checkpoint_dir=str(tmp_path / "checkpoints"),
-            savepoint_dir=str(tmp_path / "savepoints"),
-            **storage,
-        ),
-        "lake": DataLakeResource(
-            landing_dir=str(tmp_path / "landing"), report_dir=str(tmp_path / "reports")
-        ),
-    }
-
-
-def materialize_range(instance, resources, first: str, last: str, **config):
-    return dg.materialize(
-        [click_events, user_activity],
-        instance=instance,
-        resources=resources,
-        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
-        run_config={
-            "ops": {
-                "click_events": {"config": SMALL_LANDING},
-                "user_activity": {"config": config},
-            }
-        },
-        raise_on_error=False,
     )
 
 

@@ -38,6 +38,7 @@ from pipelines.stages import (
     USER_ACTIVITY_STATE_SCHEMA,
     empty_state,
 )
+from tests.pipelines.support import apply_batch_by_batch, rows, state_rows
 
 D1, D2, D3, D4 = "2026-03-01", "2026-03-02", "2026-03-03", "2026-03-04"  # D4 landed empty
 DAYS = (D1, D2, D3)
@@ -91,14 +92,6 @@ def make_runner(
         first_partition=D1,
         **kwargs,
     )
-
-
-def rows(df) -> list[tuple]:
-    return sorted(tuple(r) for r in df.collect())
-
-
-def state_rows(states: dict) -> dict[str, list[tuple]]:
-    return {name: rows(df) for name, df in states.items()}
 
 
 def restored_rows(runner: StatefulRunner, pointer: str, parallelism=None) -> dict:
@@ -351,29 +344,10 @@ def test_partition_results_chain_the_checkpoints(baseline):
     )
 
 
-def _apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
-    """Reference: the stages applied to every batch in order, no runner, no checkpoints;
-    returns the final state rows and the expected report rows of ``days``."""
-    states = {stage.name: empty_state(spark, stage) for stage in STAGES}
-    report = []
-    for day in days:
-        for url in batch_urls(landing, day):
-            data = spark.read.schema(EVENT_SCHEMA).parquet(url)
-            for stage in STAGES:
-                new_state, data = stage.apply(states[stage.name], data)
-                states[stage.name] = new_state.localCheckpoint(eager=True)
-                data = data.localCheckpoint(eager=True)
-        date = dt.date.fromisoformat(day)
-        for r in states["user_activity"].collect():
-            active = r["last_seen"].astimezone(dt.UTC).date() == date
-            report.append((*tuple(r), active, date))
-    return state_rows(states), sorted(report)
-
-
 def test_uninterrupted_run_equals_applying_each_batch_once(spark, landing, baseline):
     """The runner's state and report equal those of applying the stages to each batch once,
     in order."""
-    expected_states, expected_report = _apply_batch_by_batch(spark, landing, (D1, D2))
+    expected_states, expected_report = apply_batch_by_batch(spark, landing, (D1, D2))
     assert (expected_states, expected_report) == (
         baseline.states[D2],
         baseline.report_through(D2),

@@ -4,7 +4,6 @@ executors write and read state through the worker view at ``s3://bucket/...``.
 Landing and report directories stay local: Spark itself cannot read s3:// here.
 """
 
-import datetime as dt
 
 import fsspec
 import pytest
@@ -13,6 +12,7 @@ from checkpoint_storage import FileSystemCheckpointStorage, RelativeFileStateHan
 from pipelines.events import batch_urls, generate_day
 from pipelines.runner import MissingStateError, SourcePosition, StatefulRunner, job_id_for
 from pipelines.stages import EVENT_SCHEMA, STAGES, empty_state
+from tests.pipelines.support import apply_batch_by_batch, rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,10 +52,6 @@ def make_runner(
         max_retained=10,
         **kwargs,
     )
-
-
-def rows(df) -> list[tuple]:
-    return sorted(tuple(r) for r in df.collect())
 
 
 def restored_rows(runner: StatefulRunner, pointer: str) -> dict:
@@ -161,25 +157,6 @@ def test_missing_state_names_a_fitting_savepoint_on_s3(
     assert f"restore_from: {savepoint.pointer}" in str(failure.value)
 
 
-def _apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
-    """Reference: the stages applied to every batch once, in order, without the runner;
-    returns the final state rows and the expected report rows of ``days``."""
-    states = {stage.name: empty_state(spark, stage) for stage in STAGES}
-    report = []
-    for day in days:
-        for url in batch_urls(landing, day):
-            data = spark.read.schema(EVENT_SCHEMA).parquet(url)
-            for stage in STAGES:
-                new_state, data = stage.apply(states[stage.name], data)
-                states[stage.name] = new_state.localCheckpoint(eager=True)
-                data = data.localCheckpoint(eager=True)
-        date = dt.date.fromisoformat(day)
-        for r in states["user_activity"].collect():
-            active = r["last_seen"].astimezone(dt.UTC).date() == date
-            report.append((*tuple(r), active, date))
-    return {name: rows(df) for name, df in states.items()}, sorted(report)
-
-
 def test_recovery_on_s3_is_exactly_once(spark, s3_server, s3_bucket, tmp_path, landing):
     """After a crash past a mid-partition checkpoint on S3, a fresh runner resumes from it,
     applies only the remaining batches, and ends with the state and report of applying each
@@ -195,7 +172,7 @@ def test_recovery_on_s3_is_exactly_once(spark, s3_server, s3_bucket, tmp_path, l
     mid = crashed.store.latest()
     recovery = make_runner(spark, s3_server, s3_bucket, tmp_path, landing)
     (result,) = recovery.run([D1])
-    expected_states, expected_report = _apply_batch_by_batch(spark, landing, (D1,))
+    expected_states, expected_report = apply_batch_by_batch(spark, landing, (D1,))
     assert (
         (SourcePosition(D1, INTERVAL, False), f"s3://{s3_bucket}/chk/{JOB}"),
         (mid.external_pointer, BATCHES - INTERVAL),

@@ -4,13 +4,8 @@ that only need storage in a known shape."""
 
 import os
 import time
+from functools import partial
 from pathlib import Path
-
-import dagster as dg
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
 
 from checkpoint_storage import (
     CheckpointMetadata,
@@ -18,9 +13,9 @@ from checkpoint_storage import (
     OperatorState,
     OperatorSubtaskState,
 )
-from pipelines.assets import click_events, user_activity
 from pipelines.runner import POSITION_STATE, SourcePosition, job_id_for
-from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+from resources import CheckpointStorageResource
+from tests.pipelines import support
 from tests.pipelines.conftest import spark  # noqa: F401  (the session-scoped real Spark)
 from tests.support import finalize, payload, write_state
 
@@ -38,29 +33,12 @@ def storage_resource(tmp_path: Path, **options) -> CheckpointStorageResource:
 
 
 def resources_for(tmp_path: Path, spark_resource=None, **storage) -> dict:
-    return {
-        "spark": spark_resource or SparkResource(master="local[2]"),
-        "checkpoint_storage": storage_resource(tmp_path, **storage),
-        "lake": DataLakeResource(
-            landing_dir=str(tmp_path / "landing"), report_dir=str(tmp_path / "reports")
-        ),
-    }
-
-
-def materialize_range(instance, resources, first: str, last: str, **config):
-    return dg.materialize(
-        [click_events, user_activity],
-        instance=instance,
-        resources=resources,
-        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
-        run_config={
-            "ops": {
-                "click_events": {"config": SMALL_LANDING},
-                "user_activity": {"config": config},
-            }
-        },
-        raise_on_error=False,
+    return support.resources_for(
+        tmp_path, spark_resource=spark_resource, storage=storage_resource(tmp_path, **storage)
     )
+
+
+materialize_range = partial(support.materialize_range, landing=SMALL_LANDING)
 
 
 def pipeline_access(resource: CheckpointStorageResource):

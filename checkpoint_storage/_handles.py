@@ -140,8 +140,13 @@ class FileStateHandle(_StoredStateHandle):
         super().__init__(path, state_size, checksum, filesystem)
 
     def open(self) -> BinaryIO:
-        raw = self.filesystem.open(self._fs_path(), "rb")
-        return _VerifyingReader(raw, self.path, self._state_size, self.checksum)
+        raw = _open_checked(
+            self,
+            self._state_size,
+            True,
+            f"state file {self.path} has {{actual}} bytes, its handle records {self._state_size}",
+        )
+        return _VerifyingReader(raw, f"state file {self.path}", self._state_size, self.checksum)
 
     def discard_state(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -239,20 +244,14 @@ class SegmentFileStateHandle(_StoredStateHandle):
         return self.start_position + self._state_size
 
     def open(self) -> BinaryIO:
-        raw = self.filesystem.open(self._fs_path(), "rb")
-        try:
-            actual = _file_size(raw)
-            if actual < self.end_position:
-                raise StateIntegrityError(
-                    f"physical file {self.path} has {actual} bytes, too few for the segment "
-                    f"[{self.start_position}, {self.end_position}) its handle records: the "
-                    "file was truncated or replaced; restore from another checkpoint"
-                )
-            raw.seek(self.start_position)
-        except BaseException:
-            raw.close()
-            raise
-        return _SegmentReader(raw, self)
+        segment = f"segment [{self.start_position}, {self.end_position}) of {self.path}"
+        raw = _open_checked(
+            self,
+            self.end_position,
+            False,
+            f"physical file {self.path} has {{actual}} bytes, too few for the {segment}",
+        )
+        return _VerifyingReader(raw, segment, self._state_size, self.checksum, self.start_position)
 
     def discard_state(self) -> None:
         """Nothing: the worker-side file merging manager owns the physical file."""
@@ -301,18 +300,27 @@ def _rebuild_segment_handle(path, start, size, scope, logical_file_id, checksum,
     )
 
 
-class _SegmentReader(io.RawIOBase):
-    """Reads one segment of a physical file: never past its end, and verifies its CRC-32
-    when read to the end sequentially (a seek away verifies the rest first)."""
+def _rebuild_file_handle(cls, args, filesystem):
+    return cls(*args, filesystem=filesystem)
 
-    def __init__(self, raw, handle: SegmentFileStateHandle) -> None:
+
+class _VerifyingReader(io.RawIOBase):
+    """Reads bytes ``[start, start + size)`` of ``raw`` (a whole state file, or one segment of
+    a physical file) and fails with ``StateIntegrityError`` unless their CRC-32 matches.
+
+    The checksum is checked once the reader reaches the end sequentially. A seek away from the
+    sequential position verifies the rest first, so random access (e.g. Parquet footers) is
+    verified too. The caller checks the file's size before handing it over.
+    """
+
+    def __init__(self, raw, what: str, size: int, checksum: int | None, start: int = 0) -> None:
         super().__init__()
-        self._raw = raw
-        self._start, self._size = handle.start_position, handle.state_size
-        self._expected, self._url = handle.checksum, handle.path
+        self._raw, self._what, self._size, self._expected = raw, what, size, checksum
+        self._start = start
         self._pos = 0
         self._crc = 0
-        self._verified_upto = self._size if self._expected is None else 0
+        self._verified_upto = size if checksum is None else 0
+        raw.seek(start)
 
     def readable(self) -> bool:
         return True
@@ -345,9 +353,8 @@ class _SegmentReader(io.RawIOBase):
     def _check_if_complete(self) -> None:
         if self._verified_upto >= self._size and self._crc != self._expected:
             raise StateIntegrityError(
-                f"segment [{self._start}, {self._start + self._size}) of {self._url} does not "
-                "match the checksum its handle records: the file is corrupt; restore from "
-                "another checkpoint"
+                f"{self._what} does not match the checksum its handle records: the file is "
+                "corrupt; restore from another checkpoint"
             )
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
@@ -377,98 +384,21 @@ class _SegmentReader(io.RawIOBase):
         super().close()
 
 
-def _rebuild_file_handle(cls, args, filesystem):
-    return cls(*args, filesystem=filesystem)
-
-
-class _VerifyingReader(io.RawIOBase):
-    """Reads a state file and fails unless its size and CRC-32 match the handle's.
-
-    The size is checked on open; the checksum once the reader reaches the end sequentially.
-    A seek away from the sequential position verifies the rest of the file first, so random
-    access (e.g. Parquet footers) is verified too.
-    """
-
-    def __init__(self, raw, url: str, size: int, checksum: int | None) -> None:
-        super().__init__()
-        self._raw, self._url, self._size, self._expected = raw, url, size, checksum
-        self._pos = 0
-        self._verified_upto = 0
-        self._crc = 0
+def _open_checked(handle, minimum_size: int, exact: bool, problem: str):
+    """Opens ``handle``'s file, failing with ``StateIntegrityError`` when it is shorter than
+    ``minimum_size`` (or, ``exact``, any other size)."""
+    raw = handle.filesystem.open(handle._fs_path(), "rb")
+    try:
         actual = _file_size(raw)
-        if actual != size:
-            raw.close()
+        if actual < minimum_size or (exact and actual != minimum_size):
             raise StateIntegrityError(
-                f"state file {url} has {actual} bytes, its handle records {size}: the file "
-                "was truncated or replaced; restore from another checkpoint"
+                f"{problem.format(actual=actual)}: the file was truncated or replaced; restore "
+                "from another checkpoint"
             )
-        if checksum is None:
-            self._verified_upto = size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        data = self._raw.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data
-        self._advance(data)
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._raw.read(size if size is not None and size >= 0 else -1)
-        self._advance(data)
-        return data
-
-    def readall(self) -> bytes:
-        return self.read(-1)
-
-    def _advance(self, data: bytes) -> None:
-        if self._pos == self._verified_upto and self._verified_upto < self._size:
-            self._crc = zlib.crc32(data, self._crc)
-            self._verified_upto += len(data)
-            self._check_if_complete()
-        self._pos += len(data)
-
-    def _check_if_complete(self) -> None:
-        if self._verified_upto >= self._size and self._crc != self._expected:
-            raise StateIntegrityError(
-                f"state file {self._url} does not match the checksum its handle records: "
-                "the file is corrupt; restore from another checkpoint"
-            )
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        target = {
-            io.SEEK_SET: offset,
-            io.SEEK_CUR: self._pos + offset,
-            io.SEEK_END: self._size + offset,
-        }[whence]
-        if target != self._verified_upto and self._verified_upto < self._size:
-            self._verify_rest()
-        self._pos = self._raw.seek(target)
-        return self._pos
-
-    def _verify_rest(self) -> None:
-        self._raw.seek(self._verified_upto)
-        while self._verified_upto < self._size:
-            chunk = self._raw.read(min(_VERIFY_CHUNK, self._size - self._verified_upto))
-            if not chunk:
-                break
-            self._crc = zlib.crc32(chunk, self._crc)
-            self._verified_upto += len(chunk)
-        self._verified_upto = self._size
-        self._check_if_complete()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._raw.close()
-        super().close()
+    except BaseException:
+        raw.close()
+        raise
+    return raw
 
 
 def _file_size(raw) -> int:

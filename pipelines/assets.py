@@ -23,6 +23,8 @@ from resources import CheckpointStorageResource, DataLakeResource, SparkResource
 
 __all__ = [
     "DAILY_PARTITIONS",
+    "FAULT_INJECTION_ENV",
+    "FAULT_TAG",
     "FIRST_PARTITION",
     "LandingConfig",
     "StatefulRunConfig",
@@ -61,6 +63,36 @@ def default_resources() -> dict:
             report_dir=env("REPORT_DIR", str(data / "reports")),
         ),
     }
+
+
+# --- test seam: a real failure in a real run (off by default) -------------------------
+# The end-to-end tests (tests/acceptance) need a run of daily_pipeline that fails midway in
+# the real processes, without mocks, so that the recovery sensor has something to recover.
+# Only when the code location's environment has PIPELINE_FAULT_INJECTION=1 does a run tagged
+# ``test/fail_after_batch=<k>`` raise right after applying its k-th batch (counted from 1
+# within a partition, before that position's checkpoint). Without the env var the tag is
+# ignored; recovery runs do not carry the failed run's tags, so they run through.
+FAULT_INJECTION_ENV = "PIPELINE_FAULT_INJECTION"
+FAULT_TAG = "test/fail_after_batch"
+
+
+class InjectedFault(RuntimeError):
+    """The failure the test seam injects (never raised unless enabled, see above)."""
+
+
+def _fault_hook(tags: dict[str, str]):
+    if os.environ.get(FAULT_INJECTION_ENV) != "1" or FAULT_TAG not in tags:
+        return None
+    after = int(tags[FAULT_TAG])
+
+    def hook(point: str, **info) -> None:
+        if point == "batch_applied" and info.get("batch", -1) + 1 == after:
+            raise InjectedFault(
+                f"injected fault ({FAULT_TAG}={after}) after batch {after} of "
+                f"{info.get('partition')}"
+            )
+
+    return hook
 
 
 def build_runner(
@@ -218,7 +250,8 @@ def user_activity(
         )
         mode = RestoreMode(config.restore_mode).value
         context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")
-    runner = build_runner(spark, checkpoint_storage, lake)
+    fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
+    runner = build_runner(spark, checkpoint_storage, lake, fault_hook=fault_hook)
 
     def record(result: PartitionResult) -> None:
         # Each partition is recorded as soon as its checkpoint completed, so a run that fails

@@ -1,0 +1,100 @@
+"""The UI in a real browser (issue 6): headless Chromium (Debian's ``chromium`` package,
+driven by Playwright with ``executable_path``, never ``playwright install``) opens the
+``user_activity`` asset page of the session's ``dagster dev`` and shows the checkpoint
+metadata of a materialization; a screenshot is saved under ``test-artifacts/``.
+
+It skips, with the reason, only when ``/usr/bin/chromium`` is missing (scripts/test installs
+it with apt-get when it can) or the ``playwright`` package is not installed.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipelines.assets import FIRST_PARTITION
+from tests.acceptance.conftest import user_activity_config
+from tests.acceptance.dagster_process import DagsterDev, metadata
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+# Chromium as root, headless, on a machine without outside network: no sandbox, no GPU, and
+# no background connections (refused here, they would slow every page down).
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+
+
+def _chromium_or_skip() -> str:
+    if not (Path(CHROMIUM).is_file() and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(
+            f"{CHROMIUM} is missing: Debian's chromium package could not be installed "
+            "(scripts/test runs `apt-get install -y chromium` when it can)"
+        )
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def materialized(dagster_dev: DagsterDev) -> dict:
+    """A user_activity materialization with its checkpoint metadata: the end-to-end test's,
+    or one made here when this test runs alone."""
+    events = [e for e in dagster_dev.materializations() if "checkpoint_pointer" in metadata(e)]
+    if not events:
+        run_id = dagster_dev.launch_run(
+            "daily_pipeline", user_activity_config(), {"dagster/partition": FIRST_PARTITION}
+        )
+        run = dagster_dev.wait_for_run(run_id, 300)
+        assert "SUCCESS" == run["status"], dagster_dev.run_errors(run_id)
+        events = dagster_dev.materializations()
+    latest = max(events, key=lambda e: float(e["timestamp"]))
+    return metadata(latest) | {"partition": latest["partition"]}
+
+
+@pytest.mark.timeout(300)
+def test_asset_page_shows_checkpoint_metadata(
+    dagster_dev: DagsterDev, materialized: dict, artifacts_dir: Path, tmp_path
+):
+    executable = _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    pointer = str(materialized["checkpoint_pointer"])
+    screenshot = artifacts_dir / "user_activity_asset_page.png"
+    with sync_playwright() as p:
+        # A fresh profile directory per test (Playwright wants it as user_data_dir).
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=executable,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1600, "height": 1200},
+        )
+        try:
+            page = browser.new_page()
+            # The asset's events tab: the latest materialization is selected, its metadata
+            # table beside the list.
+            page.goto(f"{dagster_dev.url}/assets/user_activity?view=events", timeout=60_000)
+            try:
+                page.get_by_text("checkpoint_pointer", exact=True).first.wait_for(
+                    timeout=90_000
+                )
+                page.get_by_text(pointer).first.wait_for(timeout=30_000)
+            finally:
+                page.screenshot(path=str(screenshot), full_page=True)
+            text = page.inner_text("body")
+        finally:
+            browser.close()
+    for label in ("checkpoint_pointer", "state_bytes", "source_position"):
+        assert label in text, f"{label} not on the asset page (see {screenshot})"
+    assert pointer in text
+    assert str(materialized["source_position"]) in text
+    assert screenshot.stat().st_size > 10_000
+    shutil.copy(dagster_dev.log_path, artifacts_dir / "dagster-dev.log")

@@ -6,7 +6,6 @@ disk (``/data/cp/...``) and ``protocol://path`` for everything else (``s3://buck
 external pointer whichever call produced it, and what makes root checks a prefix comparison.
 """
 
-import contextlib
 import datetime as _dt
 import logging
 import math
@@ -16,6 +15,7 @@ import re
 import secrets
 import string
 import threading
+import urllib.parse
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,12 +88,32 @@ def check_pointer(pointer: object) -> str:
     """Reject pointers that could walk out of where they name, before any I/O."""
     pointer = _check_url_text(pointer, "checkpoint pointer")
     _, _, path = pointer.partition("://") if "://" in pointer else ("", "", pointer)
-    if any(segment in (".", "..") for segment in path.split("/")):
+    if _has_traversal(path):
         raise UnsafePathError(
-            f"checkpoint pointer {pointer!r} contains '.' or '..' segments; "
-            "pass the checkpoint directory as an absolute path or URL"
+            f"checkpoint pointer {pointer!r} contains '.' or '..' segments (possibly "
+            "percent-encoded or separated by backslashes); pass the checkpoint directory as an "
+            "absolute path or URL"
         )
     return pointer
+
+
+_MAX_DECODINGS = 4
+
+
+def _has_traversal(path: str) -> bool:
+    """Whether ``path`` has a '.' or '..' segment or a control character, also once
+    percent-decoded (repeatedly: ``%252e``) and with backslashes read as separators, as a
+    filesystem that decodes URLs (or a Windows one) would see it."""
+    for _ in range(_MAX_DECODINGS):
+        if _CONTROL_CHARS.search(path) or any(
+            segment in (".", "..") for segment in re.split(r"[/\\]", path)
+        ):
+            return True
+        decoded = urllib.parse.unquote(path)
+        if decoded == path:
+            return False
+        path = decoded
+    return True  # encoded more than _MAX_DECODINGS times: no real path looks like this
 
 
 # --- root checks -------------------------------------------------------------------------
@@ -109,6 +129,7 @@ def check_relative_path(relative_path: str) -> str:
         or "://" in relative_path
         or _CONTROL_CHARS.search(relative_path)
         or any(seg in ("", ".", "..") for seg in relative_path.split("/"))
+        or _has_traversal(relative_path)
     ):
         raise UnsafePathError(
             f"relative state path {relative_path!r} leaves its checkpoint directory: "
@@ -175,7 +196,11 @@ class PathRoots:
 
 
 def _clean_tail(tail: str) -> bool:
-    return bool(tail) and all(seg not in ("", ".", "..") for seg in tail.split("/"))
+    return (
+        bool(tail)
+        and all(seg not in ("", ".", "..") for seg in tail.split("/"))
+        and not _has_traversal(tail)
+    )
 
 
 _CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
@@ -429,7 +454,8 @@ def put_if_absent(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """
     url = to_url(fs, path)
     if isinstance(fs, LocalFileSystem):
-        _put_if_absent_local(path, data)
+        # Filesystems may route the syscalls (a fault-injecting test harness does).
+        _put_if_absent_local(path, data, getattr(fs, "local_syscalls", os))
     elif isinstance(fs, MemoryFileSystem):
         with _MEMORY_LOCK:
             if path in fs.store:
@@ -462,11 +488,12 @@ def _put_if_absent_remote(fs, path: str, data: bytes, url: str, put) -> None:
     try:
         put()
         return
-    except (FileExistsError, UnsupportedFileSystemError) as exc:
-        if isinstance(exc, FileExistsError):
-            raise CheckpointAlreadyExistsError(
-                f"{url} already exists: another writer completed this checkpoint"
-            ) from exc
+    except FileExistsError as exc:
+        # s3fs and botocore retry a PUT whose response was lost; the retry then finds the
+        # object our first attempt stored (412). Only other bytes mean another writer.
+        _resolve_existing_object(fs, path, data, url, exc)
+        return
+    except UnsupportedFileSystemError:
         raise
     except PermissionError as exc:
         raise CheckpointCommitFailedError(
@@ -475,6 +502,27 @@ def _put_if_absent_remote(fs, path: str, data: bytes, url: str, put) -> None:
     except Exception as exc:  # noqa: BLE001 - the request may have been applied: read back
         failure = exc
     _resolve_unknown_commit(fs, path, data, url, failure)
+
+
+def _resolve_existing_object(fs, path: str, data: bytes, url: str, exists: Exception) -> None:
+    """The conditional PUT found an object: ours (a retry of a PUT that was applied) when it
+    holds our bytes, else another writer's. (A writer publishing byte-identical `_metadata`
+    is indistinguishable from our retry; either way the stored checkpoint is ours.)"""
+    fs.invalidate_cache(path)
+    try:
+        stored = fs.cat_file(path)
+    except FileNotFoundError:
+        stored = None  # deleted since: not ours to claim
+    except Exception as exc:  # noqa: BLE001
+        raise CommitStateUnknownError(
+            f"{url} already exists and reading it back failed ({exc}): it may be this "
+            "writer's own retried commit or another writer's; resolve it before retrying"
+        ) from exists
+    if stored != data:
+        raise CheckpointAlreadyExistsError(
+            f"{url} already exists: another writer completed this checkpoint"
+        ) from exists
+    logger.info("commit of %s was retried and found our own object: committed", url)
 
 
 def _resolve_unknown_commit(fs, path: str, data: bytes, url: str, failure: Exception) -> None:
@@ -498,19 +546,26 @@ def _resolve_unknown_commit(fs, path: str, data: bytes, url: str, failure: Excep
     logger.info("commit of %s reported %r but the object is ours: committed", url, failure)
 
 
-def _put_if_absent_local(path: str, data: bytes) -> None:
+def _put_if_absent_local(path: str, data: bytes, syscalls=os) -> None:
     directory, name = os.path.split(path)
     temp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.inprogress")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = syscalls.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
+                view = view[syscalls.write(fd, view) :]
+            syscalls.fsync(fd)
         finally:
-            os.close(fd)
-        os.link(temp, path)  # fails if the target exists: put-if-absent
+            syscalls.close(fd)
+        try:
+            syscalls.link(temp, path)  # fails if the target exists: put-if-absent
+        except OSError:
+            # A link can report failure after it was made (a lost NFS reply, retried as
+            # EEXIST): if the target is our temp file, the commit happened.
+            if not _same_file(temp, path):
+                raise
+            logger.info("linking %s reported an error but the link is ours: committed", path)
     except FileExistsError as exc:
         raise CheckpointAlreadyExistsError(
             f"{path} already exists: another writer completed this checkpoint"
@@ -521,16 +576,27 @@ def _put_if_absent_local(path: str, data: bytes) -> None:
             "free space or fix permissions, then retry the checkpoint"
         ) from exc
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            syscalls.unlink(temp)
+        except FileNotFoundError:
+            pass
+        except OSError:  # a leftover hidden temp file must not turn a commit into a failure
+            logger.warning("could not delete temporary file %s", temp, exc_info=True)
+    try:
+        dir_fd = syscalls.open(directory, os.O_RDONLY)
+        try:
+            syscalls.fsync(dir_fd)
         finally:
-            os.close(dir_fd)
+            syscalls.close(dir_fd)
     except OSError as exc:
         raise CommitStateUnknownError(
             f"{path} was linked but its directory could not be synced ({exc}): it may not "
             "survive a crash of this machine"
         ) from exc
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -1,6 +1,7 @@
 """State output streams and the factories that create them (Flink's FsCheckpointStreamFactory,
 FsCheckpointStateOutputStream and MemCheckpointStreamFactory)."""
 
+import contextlib
 import io
 import itertools
 import os
@@ -285,7 +286,15 @@ class FsCheckpointStateOutputStream(BufferedStateOutputStream):
         directory = self._directory()
         name = self._name_prefix + uuid.uuid4().hex
         path = join(directory, name)
-        self._file = self._fs.open(self._fs._strip_protocol(path), "wb")
+        fs_path = self._fs._strip_protocol(path)
+        try:
+            self._file = self._fs.open(fs_path, "wb")
+        except BaseException:
+            # The open may have created the file before failing (local disk creates it on
+            # open): no handle means nobody else would ever delete it.
+            with contextlib.suppress(Exception):
+                self._fs.rm_file(fs_path)
+            raise
         self._file_url, self._file_dir, self._file_name = path, directory, name
 
     def close_and_get_handle(self) -> StreamStateHandle | None:

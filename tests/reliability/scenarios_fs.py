@@ -511,3 +511,37 @@ def corruption(trials: int, target: Target, seed: int = 7) -> Outcome:
         failures += len(problems) > before
     figure = f"{target.name} " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
     return Outcome(trials, failures, figure, problems)
+
+
+# --- the runner's table --------------------------------------------------------------------
+
+
+def _on_each_backend(function, *, s3_share: int = 1):
+    """``function(trials, target)`` as two runner entries (local disk, S3 on moto), each
+    taking the trial count only; S3 runs ``trials // s3_share`` (its trials are slower)."""
+
+    def local(trials: int) -> Outcome:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="reliability-") as directory:
+            return function(trials, local_target(directory))
+
+    def s3(trials: int) -> Outcome:
+        from tests.reliability.scenarios_net import _upstream, new_bucket
+
+        upstream = _upstream(None)
+        return function(max(1, trials // s3_share), s3_target(upstream, new_bucket(upstream)))
+
+    return local, s3
+
+
+SCENARIOS = {}
+for _name, _function, _s3_share in (
+    ("fs_metadata_commit_faults", metadata_commit_faults, 1),
+    ("fs_stream_exceptions", stream_exceptions, 1),
+    ("fs_concurrent_commits", concurrent_commits, 10),
+    ("fs_corruption", corruption, 2),
+):
+    SCENARIOS[f"{_name}_local"], SCENARIOS[f"{_name}_s3"] = _on_each_backend(
+        _function, s3_share=_s3_share
+    )

@@ -491,7 +491,7 @@ def _put_if_absent_remote(fs, path: str, data: bytes, url: str, put) -> None:
     except FileExistsError as exc:
         # s3fs and botocore retry a PUT whose response was lost; the retry then finds the
         # object our first attempt stored (412). Only other bytes mean another writer.
-        _resolve_existing_object(fs, path, data, url, exc)
+        _resolve_by_read_back(fs, path, data, url, exc, seen_existing=True)
         return
     except UnsupportedFileSystemError:
         raise
@@ -501,49 +501,40 @@ def _put_if_absent_remote(fs, path: str, data: bytes, url: str, put) -> None:
         ) from exc
     except Exception as exc:  # noqa: BLE001 - the request may have been applied: read back
         failure = exc
-    _resolve_unknown_commit(fs, path, data, url, failure)
+    _resolve_by_read_back(fs, path, data, url, failure, seen_existing=False)
 
 
-def _resolve_existing_object(fs, path: str, data: bytes, url: str, exists: Exception) -> None:
-    """The conditional PUT found an object: ours (a retry of a PUT that was applied) when it
-    holds our bytes, else another writer's. (A writer publishing byte-identical `_metadata`
-    is indistinguishable from our retry; either way the stored checkpoint is ours.)"""
+def _resolve_by_read_back(
+    fs, path: str, data: bytes, url: str, cause: Exception, *, seen_existing: bool
+) -> None:
+    """A PUT whose outcome the error does not tell (``cause``; ``seen_existing`` when the
+    conditional PUT found an object, possibly our own from a retried PUT that was applied):
+    read the object back. Our bytes: committed. Other bytes: another writer's. Absent: not
+    published (or, when an object was seen, another writer's that went away since). (A writer
+    publishing byte-identical `_metadata` is indistinguishable from our retry; either way the
+    stored checkpoint is ours.)"""
     fs.invalidate_cache(path)
     try:
         stored = fs.cat_file(path)
     except FileNotFoundError:
-        stored = None  # deleted since: not ours to claim
-    except Exception as exc:  # noqa: BLE001
-        raise CommitStateUnknownError(
-            f"{url} already exists and reading it back failed ({exc}): it may be this "
-            "writer's own retried commit or another writer's; resolve it before retrying"
-        ) from exists
-    if stored != data:
-        raise CheckpointAlreadyExistsError(
-            f"{url} already exists: another writer completed this checkpoint"
-        ) from exists
-    logger.info("commit of %s was retried and found our own object: committed", url)
-
-
-def _resolve_unknown_commit(fs, path: str, data: bytes, url: str, failure: Exception) -> None:
-    """The PUT failed in a way that may still have stored it: read the object back."""
-    fs.invalidate_cache(path)
-    try:
-        stored = fs.cat_file(path)
-    except FileNotFoundError:
+        if seen_existing:
+            raise CheckpointAlreadyExistsError(
+                f"{url} already exists: another writer completed this checkpoint"
+            ) from cause
         raise CheckpointCommitFailedError(
-            f"publishing {url} failed ({failure}); nothing was published, retrying is safe"
-        ) from failure
+            f"publishing {url} failed ({cause}); nothing was published, retrying is safe"
+        ) from cause
     except Exception as exc:  # noqa: BLE001
         raise CommitStateUnknownError(
-            f"publishing {url} failed ({failure}) and reading it back failed too ({exc}); "
-            "the checkpoint may or may not be complete: resolve it before retrying"
-        ) from failure
+            f"publishing {url} failed ({cause}) and reading it back failed too ({exc}); "
+            "the checkpoint may or may not be complete, possibly by this writer's own retried "
+            "PUT: resolve it before retrying"
+        ) from cause
     if stored != data:
         raise CheckpointAlreadyExistsError(
             f"{url} already exists with other content: another writer completed this checkpoint"
-        ) from failure
-    logger.info("commit of %s reported %r but the object is ours: committed", url, failure)
+        ) from cause
+    logger.info("commit of %s reported %r but the object holds our bytes: committed", url, cause)
 
 
 def _put_if_absent_local(path: str, data: bytes, syscalls=os) -> None:

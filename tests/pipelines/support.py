@@ -17,6 +17,17 @@ from resources import CheckpointStorageResource, DataLakeResource, SparkResource
 SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 300, "users": 30, "seed": 1}
 
 
+class InjectedFault(Exception):
+    """Raised by a test's fault hook."""
+
+
+class NoSpark:
+    """Stands in for the SparkSession where no Spark work may happen."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"Spark was used: spark.{name}")
+
+
 def rows(df) -> list[tuple]:
     return sorted(tuple(r) for r in df.collect())
 

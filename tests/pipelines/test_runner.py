@@ -38,7 +38,7 @@ from pipelines.stages import (
     USER_ACTIVITY_STATE_SCHEMA,
     empty_state,
 )
-from tests.pipelines.support import apply_batch_by_batch, rows, state_rows
+from tests.pipelines.support import InjectedFault, NoSpark, apply_batch_by_batch, rows, state_rows
 
 D1, D2, D3, D4 = "2026-03-01", "2026-03-02", "2026-03-03", "2026-03-04"  # D4 landed empty
 DAYS = (D1, D2, D3)
@@ -55,17 +55,6 @@ def end_of(day: str) -> SourcePosition:
 
 def mid_of(day: str) -> SourcePosition:
     return SourcePosition(day, INTERVAL, False)
-
-
-class InjectedFault(Exception):
-    pass
-
-
-class NoSpark:
-    """Stands in for the SparkSession where no Spark work may happen."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"Spark was used: spark.{name}")
 
 
 def make_runner(

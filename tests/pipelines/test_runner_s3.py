@@ -12,7 +12,7 @@ from checkpoint_storage import FileSystemCheckpointStorage, RelativeFileStateHan
 from pipelines.events import batch_urls, generate_day
 from pipelines.runner import MissingStateError, SourcePosition, StatefulRunner, job_id_for
 from pipelines.stages import EVENT_SCHEMA, STAGES, empty_state
-from tests.pipelines.support import apply_batch_by_batch, rows
+from tests.pipelines.support import InjectedFault, NoSpark, apply_batch_by_batch, rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -20,17 +20,6 @@ D1, D2 = "2026-03-01", "2026-03-02"
 BATCHES = 3
 INTERVAL = 2
 JOB = job_id_for("user_activity").hex
-
-
-class InjectedFault(Exception):
-    pass
-
-
-class NoSpark:
-    """Stands in for the SparkSession where no Spark work may happen."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"Spark was used: spark.{name}")
 
 
 def make_runner(

@@ -122,8 +122,9 @@ def _write_cut(fault: Fault | None, data, write) -> int | None:
 # --- local disk --------------------------------------------------------------------------
 
 
-class FaultyLocalFileOpener(LocalFileOpener):
-    """A local file opened for writing, with the ``state.write``/``state.close`` points."""
+class _StateFilePoints:
+    """The ``state.write``/``state.close`` points of a file opened for writing; mixed in
+    before the real file class it wraps."""
 
     def write(self, data) -> int:
         _write_cut(fire("state.write", "before"), data, super().write)
@@ -137,6 +138,10 @@ class FaultyLocalFileOpener(LocalFileOpener):
         fire("state.close", "before")
         super().close()
         fire("state.close", "after")
+
+
+class FaultyLocalFileOpener(_StateFilePoints, LocalFileOpener):
+    """A local file opened for writing, with the ``state.write``/``state.close`` points."""
 
 
 class _Syscalls:
@@ -231,21 +236,8 @@ class FaultyLocalFileSystem(LocalFileSystem):
 # --- S3 ----------------------------------------------------------------------------------
 
 
-class FaultyS3File(S3File):
+class FaultyS3File(_StateFilePoints, S3File):
     """An S3 object opened for writing, with the ``state.write``/``state.close`` points."""
-
-    def write(self, data) -> int:
-        _write_cut(fire("state.write", "before"), data, super().write)
-        n = super().write(data)
-        fire("state.write", "after")
-        return n
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        fire("state.close", "before")
-        super().close()
-        fire("state.close", "after")
 
 
 class FaultyS3FileSystem(S3FileSystem):

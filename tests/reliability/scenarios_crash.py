@@ -8,7 +8,6 @@ pytest suite (test_crashes.py, test_spark_task_kills.py) runs them with small N 
 
 import contextlib
 import json
-import logging
 import os
 import random
 import selectors
@@ -362,25 +361,11 @@ def _new_bucket(endpoint_url: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def moto_endpoint() -> Iterator[str]:
+def moto_endpoint():
     """A moto S3 server on 127.0.0.1 for the runner (pytest uses its ``s3_server``)."""
-    from moto.server import ThreadedMotoServer
+    from tests.reliability.scenarios_net import moto_server
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
-    for name, value in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-    ):
-        os.environ.setdefault(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+    return moto_server()
 
 
 # --- Spark task attempts killed ----------------------------------------------------------

@@ -56,6 +56,7 @@ def moto_server():
     """A moto S3 server on 127.0.0.1 for the runner (pytest uses the ``s3_server`` fixture)."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
     for name, value in (
         ("AWS_ACCESS_KEY_ID", "testing"),
         ("AWS_SECRET_ACCESS_KEY", "testing"),

@@ -209,9 +209,16 @@ class Bench:
     """The session, the cached DataFrame, and every timed path."""
 
     def __init__(self, rows: int, base: str) -> None:
+        import dagster as dg
+
         from checkpoint_storage import FileSystemCheckpointStorage
-        from pipelines.runner import SourcePosition, StatefulRunner
-        from pipelines.stages import Stage
+        from pipelines import (
+            FileSource,
+            SourcePosition,
+            Stage,
+            StatefulPipeline,
+            StatefulRunner,
+        )
         from resources import build_spark_session
 
         self.base = base
@@ -237,14 +244,16 @@ class Bench:
         self.storage = FileSystemCheckpointStorage(
             os.path.join(base, "chk"), os.path.join(base, "sp")
         )
-        self.runner = StatefulRunner(
-            self.spark,
-            self.storage,
-            landing_dir=os.path.join(base, "landing"),
-            report_dir=os.path.join(base, "report"),
-            first_partition="2026-01-01",
+        # Only checkpoint and restore_states are timed: the source is never read.
+        pipeline = StatefulPipeline(
+            name="stage_checkpoint_bench",
             stages=[Stage("bench", self.df.schema, lambda s, i: (s, i))],
+            source=FileSource(
+                url=os.path.join(base, "landing", "date={partition}"), schema=self.df.schema
+            ),
+            partitions=dg.DailyPartitionsDefinition(start_date="2026-01-01"),
         )
+        self.runner = StatefulRunner(self.spark, self.storage, pipeline)
         self.position = SourcePosition("2026-01-01", 1, True)
         self.last_summary = None
         self.rdd_checkpoint_bytes = 0

@@ -21,6 +21,7 @@ from checkpoint_storage._file_merging import (
     SubtaskKey,
     create_file_merging_snapshot_manager,
 )
+from checkpoint_storage._filesystems import format_size, url_to_fs
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
@@ -54,6 +55,8 @@ from checkpoint_storage._references import (
 from checkpoint_storage._retention import CheckpointRetentionPolicy, JobStatus, RestoreMode
 from checkpoint_storage._shared_state import SharedStateRegistry
 from checkpoint_storage._storage import (
+    DEFAULT_FILE_STATE_THRESHOLD,
+    DEFAULT_WRITE_BUFFER_SIZE,
     CheckpointStorage,
     FileSystemCheckpointStorage,
     MemoryCheckpointStorage,
@@ -93,6 +96,8 @@ from checkpoint_storage.exceptions import (
 )
 
 __all__ = [
+    "DEFAULT_FILE_STATE_THRESHOLD",
+    "DEFAULT_WRITE_BUFFER_SIZE",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
     "CheckpointCommitFailedError",
@@ -158,9 +163,11 @@ __all__ = [
     "discard_checkpoint",
     "dispose_savepoint",
     "encode_path_as_reference",
+    "format_size",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_metadata",
     "store_checkpoint_metadata",
+    "url_to_fs",
     "verify_checkpoint",
 ]

@@ -1,0 +1,52 @@
+"""Stateful PySpark pipelines with Flink-style checkpoints.
+
+Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
+with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``). Everything a
+pipeline needs is exported here; examples live in ``pipelines.examples``.
+"""
+
+from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
+from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
+from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
+from pipelines.runner import (
+    PIPELINE_NAME_STATE,
+    POSITION_STATE,
+    SCHEDULED_SAVEPOINTS,
+    BatchListChangedError,
+    CheckpointSummary,
+    MissingStateError,
+    PartitionResult,
+    SourcePosition,
+    StatefulRunner,
+    batches_digest,
+    check_restore_from,
+    empty_state,
+    job_id_for,
+)
+
+__all__ = [
+    "PIPELINE_NAME_STATE",
+    "POSITION_STATE",
+    "SCHEDULED_SAVEPOINTS",
+    "SOURCE",
+    "BatchListChangedError",
+    "CheckpointSummary",
+    "FileSource",
+    "MissingStateError",
+    "ParquetSink",
+    "PartitionOrder",
+    "PartitionResult",
+    "Sink",
+    "Source",
+    "SourcePosition",
+    "SparkReadSource",
+    "SparkWriterSink",
+    "Stage",
+    "StatefulPipeline",
+    "StatefulRunner",
+    "arrow_schema",
+    "batches_digest",
+    "check_restore_from",
+    "empty_state",
+    "job_id_for",
+]

@@ -1,32 +1,65 @@
 """The code location: ``workspace.yaml`` and ``[tool.dagster]`` both load this module.
 
-It is the composition root, the one module of ``pipelines`` that imports ``sensors``.
-Schedules and sensors (all start RUNNING, see ``sensors/__init__.py``): ``savepoint_schedule``
-(``SAVEPOINT_CRON``, default daily), ``checkpoint_retention_sensor`` and
-``daily_pipeline_recovery_sensor``.
+It is the composition root: each example pipeline's definitions (``sensors.
+pipeline_definitions``), merged with ``dagster.Definitions.merge``, and the resources they
+share, on the embedded defaults unless the environment says otherwise:
+
+- ``SPARK_MASTER`` (``local[*]``); ``CHECKPOINT_DIR``, ``SAVEPOINT_DIR`` and
+  ``CHECKPOINT_STORAGE_OPTIONS`` (JSON of non-secret fsspec options, e.g. an S3
+  ``endpoint_url``); ``PIPELINE_DATA_DIR`` (``.data`` under the project) for everything else:
+  the click events' landing and report directories (``LANDING_DIR``, ``REPORT_DIR``) and the
+  page views' (``PAGE_VIEWS_DIR``).
 """
+
+import json
+import os
+from pathlib import Path
 
 import dagster as dg
 
-from pipelines.assets import (
-    checkpoint_integrity,
-    checkpoint_integrity_job,
-    click_events,
-    daily_pipeline,
-    default_resources,
-    user_activity,
-)
-from sensors import recovery_sensor, retention_sensor, savepoint_job, savepoint_schedule
+from pipelines.examples.click_events import click_events_definitions
+from pipelines.examples.page_views import page_views_definitions
+from resources import CheckpointStorageResource, SparkResource
 
-__all__ = ["checkpoint_integrity_job", "daily_pipeline", "defs", "savepoint_job"]
+__all__ = ["PROJECT_ROOT", "default_resources", "defs"]
 
-defs = dg.Definitions(
-    assets=[click_events, user_activity],
-    asset_checks=[checkpoint_integrity],
-    jobs=[daily_pipeline, checkpoint_integrity_job, savepoint_job],
-    schedules=[savepoint_schedule],
-    sensors=[retention_sensor, recovery_sensor],
-    resources=default_resources(),
-    # One process (and one Spark session) per run, not one per step.
-    executor=dg.in_process_executor,
-)
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_directory() -> Path:
+    return Path(os.environ.get("PIPELINE_DATA_DIR", PROJECT_ROOT / ".data"))
+
+
+def default_resources() -> dict:
+    """The resources every pipeline of the location shares."""
+    data = data_directory()
+    env = os.environ.get
+    return {
+        "spark": SparkResource(master=env("SPARK_MASTER", "local[*]")),
+        "checkpoint_storage": CheckpointStorageResource(
+            checkpoint_dir=env("CHECKPOINT_DIR", str(data / "checkpoints")),
+            savepoint_dir=env("SAVEPOINT_DIR", str(data / "savepoints")),
+            storage_options=json.loads(env("CHECKPOINT_STORAGE_OPTIONS", "{}")),
+        ),
+    }
+
+
+def _definitions() -> dg.Definitions:
+    data = data_directory()
+    env = os.environ.get
+    return dg.Definitions.merge(
+        # Pipelines defined in YAML (sensors.StatefulPipelineComponent), if any.
+        dg.load_from_defs_folder(path_within_project=PROJECT_ROOT),
+        click_events_definitions(
+            env("LANDING_DIR", str(data / "landing")), env("REPORT_DIR", str(data / "reports"))
+        ),
+        page_views_definitions(env("PAGE_VIEWS_DIR", str(data / "page_views"))),
+        dg.Definitions(
+            resources=default_resources(),
+            # One process (and one Spark session) per run, not one per step.
+            executor=dg.in_process_executor,
+        ),
+    )
+
+
+defs = _definitions()

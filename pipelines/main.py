@@ -15,32 +15,17 @@ import warnings
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
 
-from checkpoint_storage import list_checkpoints
-from checkpoint_storage._filesystems import format_size
-from pipelines.assets import DAILY_PARTITIONS, FIRST_PARTITION, PROJECT_ROOT
-from pipelines.runner import SourcePosition, job_id_for
+from checkpoint_storage import format_size, list_checkpoints
+from pipelines import SourcePosition, job_id_for
+from pipelines.definitions import data_directory
+from pipelines.examples.click_events import DAILY_PARTITIONS, FIRST_PARTITION, NAME
+from pipelines.instance import ensure_dagster_home, limit_pools
 
-__all__ = ["ensure_dagster_home", "main", "next_partitions"]
+__all__ = ["main", "next_partitions"]
 
-DAGSTER_YAML = "telemetry:\n  enabled: false\n"
 # The console shows INFO and up; every event is still in the instance (and the UI).
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
-
-
-def ensure_dagster_home() -> Path:
-    """``DAGSTER_HOME`` (default: the project's ``.dagster_home``), created with telemetry
-    off. Without it every call would use a throw-away instance."""
-    home = Path(os.environ.setdefault("DAGSTER_HOME", str(PROJECT_ROOT / ".dagster_home")))
-    home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if not config.exists():
-        config.write_text(DAGSTER_YAML)
-    return home
 
 
 def next_partitions(latest: SourcePosition | None, days: int, today: dt.date) -> list[str]:
@@ -59,7 +44,7 @@ def next_partitions(latest: SourcePosition | None, days: int, today: dt.date) ->
 
 def _latest_position(checkpoint_storage) -> SourcePosition | None:
     storage = checkpoint_storage.checkpoint_storage()
-    access = storage.create_checkpoint_storage(job_id_for("user_activity"))
+    access = storage.create_checkpoint_storage(job_id_for(NAME))
     latest = access.latest_completed_checkpoint()
     return None if latest is None else SourcePosition.of(latest.load_metadata())
 
@@ -71,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=dg.BetaWarning)
     home = ensure_dagster_home()
 
-    from pipelines.definitions import checkpoint_integrity_job, daily_pipeline, defs
+    from pipelines.definitions import defs
 
     resources = defs.resources
     checkpoint_storage = resources["checkpoint_storage"]
@@ -84,20 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     if partitions:
         assert DAILY_PARTITIONS.has_partition_key(partitions[-1])
-        job = defs.resolve_job_def(daily_pipeline.name)
+        job = defs.resolve_job_def(f"{NAME}_job")
         with dg.DagsterInstance.get() as instance:
+            limit_pools(instance, defs)
             result = job.execute_in_process(
                 instance=instance,
                 run_config=QUIET,
                 tags={
-                    ASSET_PARTITION_RANGE_START_TAG: partitions[0],
-                    ASSET_PARTITION_RANGE_END_TAG: partitions[-1],
+                    "dagster/asset_partition_range_start": partitions[0],
+                    "dagster/asset_partition_range_end": partitions[-1],
                 },
             )
             _print_run(result)
             if not result.success:
                 return 1
-            check = defs.resolve_job_def(checkpoint_integrity_job.name).execute_in_process(
+            check = defs.resolve_job_def(f"{NAME}_integrity_job").execute_in_process(
                 instance=instance, run_config=QUIET
             )
             for evaluation in check.get_asset_check_evaluations():
@@ -105,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"Asset check {evaluation.check_name}: "
                     f"{'passed' if evaluation.passed else 'FAILED'}"
                 )
-    _print_storage(checkpoint_storage, resources["lake"], home)
+    _print_storage(checkpoint_storage, home)
     return 0
 
 
@@ -113,21 +99,21 @@ def _print_run(result) -> None:
     print(f"\nRun {result.run_id}: {'succeeded' if result.success else 'FAILED'}")
     for event in result.get_asset_materialization_events():
         materialization = event.event_specific_data.materialization
-        if materialization.asset_key.to_user_string() != "user_activity":
+        if materialization.asset_key.to_user_string() != NAME:
             continue
         meta = {k: v.value for k, v in materialization.metadata.items()}
         print(
             f"  {materialization.partition}: checkpoint {meta['checkpoint_id']} "
             f"({meta['state_size']}, {meta['files_written']} files, "
             f"{meta['inline_states']} inline), {meta['batches_applied']} batches, "
-            f"{meta['rows_input']} events in, {meta['duration_s']} s; "
+            f"{meta['rows_source']} events in, {meta['duration_s']} s; "
             f"restored from {meta['restored_from']}"
         )
 
 
-def _print_storage(checkpoint_storage, lake, home: Path) -> None:
+def _print_storage(checkpoint_storage, home: Path) -> None:
     storage = checkpoint_storage.checkpoint_storage()
-    job_directory = f"{storage.checkpoint_directory.rstrip('/')}/{job_id_for('user_activity')}"
+    job_directory = f"{storage.checkpoint_directory.rstrip('/')}/{job_id_for(NAME)}"
     print(f"\nRetained checkpoints in {job_directory}:")
     try:
         found = list_checkpoints(job_directory, storage_options=storage.storage_options)
@@ -137,7 +123,10 @@ def _print_storage(checkpoint_storage, lake, home: Path) -> None:
         size = format_size(info.state_size) if info.state_size is not None else "-"
         print(f"  chk-{info.checkpoint_id}  {info.status:<11} {size:>10}  {info.pointer}")
     print(f"Savepoints: {storage.savepoint_directory}")
-    print(f"Input landing: {lake.landing_dir}\nDaily report: {lake.report_dir}")
+    data = data_directory()
+    landing = os.environ.get("LANDING_DIR", str(data / "landing"))
+    reports = os.environ.get("REPORT_DIR", str(data / "reports"))
+    print(f"Input landing: {landing}\nDaily report: {reports}")
     print(
         "\nOpen the Dagster UI on this instance:\n"
         f"  DAGSTER_HOME={home} .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000\n"

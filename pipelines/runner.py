@@ -1,19 +1,19 @@
-"""The stateful runner: drives each day's input batches through the stages and checkpoints
-their state the way Flink does (DESIGN §4).
+"""The stateful runner: drives a pipeline's source batches through its stages, partition by
+partition, and checkpoints their state the way Flink does.
 
 The driver is the coordinator: it creates a checkpoint location, ships the storage config,
 checkpoint id and location reference to the executors, and each partition task resolves
 the reference through the worker view and streams its slice of the state into it
 (``state_io.write_state_partition``). The driver collects the handles, stores
-``CheckpointMetadata`` with the source position as master state, and finalizes: `_metadata`
-appears last, so a checkpoint is complete or invisible.
+``CheckpointMetadata`` with the source position and the pipeline's name as master states,
+and finalizes: `_metadata` appears last, so a checkpoint is complete or invisible.
 
 Exactly once: state is versioned by source position, ``(partition, batches applied,
-complete)``. Processing partition P needs the state after P-1 (or a checkpoint inside P);
-the runner restores the newest such snapshot and replays only the batches after it.
+complete)``. Processing partition P needs the state after the partition before P (or a
+checkpoint inside P); the runner restores the newest such snapshot and replays only the
+batches after it. Sinks write per partition (and batch) idempotently, so replays replace.
 """
 
-import datetime as dt
 import hashlib
 import json
 import logging
@@ -24,15 +24,17 @@ from functools import partial
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
+    CheckpointAlreadyExistsError,
     CheckpointMetadata,
+    CheckpointNotFoundError,
     CheckpointProperties,
     CheckpointRetentionPolicy,
     CheckpointStorage,
     CheckpointStorageLocation,
+    CommitStateUnknownError,
     CompletedCheckpoint,
     CompletedCheckpointStorageLocation,
     FileSystemCompletedCheckpointStore,
@@ -41,16 +43,11 @@ from checkpoint_storage import (
     OperatorState,
     OperatorSubtaskState,
     RestoreMode,
+    format_size,
     store_checkpoint_metadata,
+    url_to_fs,
 )
-from checkpoint_storage._filesystems import url_to_fs
-from checkpoint_storage.exceptions import (
-    CheckpointAlreadyExistsError,
-    CheckpointNotFoundError,
-    CommitStateUnknownError,
-)
-from pipelines.events import batch_urls
-from pipelines.stages import EVENT_SCHEMA, STAGES, Stage, empty_state
+from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
 from pipelines.state_io import (
     HANDLE_ROW_DDL,
     StateReadTask,
@@ -62,20 +59,25 @@ from pipelines.state_io import (
 )
 
 __all__ = [
+    "PIPELINE_NAME_STATE",
     "POSITION_STATE",
     "SCHEDULED_SAVEPOINTS",
+    "BatchListChangedError",
     "CheckpointSummary",
     "MissingStateError",
     "PartitionResult",
     "SourcePosition",
     "StatefulRunner",
+    "batches_digest",
     "check_restore_from",
+    "empty_state",
     "job_id_for",
 ]
 
 logger = logging.getLogger(__name__)
 
 POSITION_STATE = "source-position"
+PIPELINE_NAME_STATE = "pipeline-name"
 SCHEMA_STATE_PREFIX = "state-schema/"
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
@@ -87,33 +89,45 @@ def job_id_for(pipeline_name: str) -> JobID:
     return JobID.from_hex(hashlib.sha256(pipeline_name.encode()).hexdigest()[:32])
 
 
-def previous_partition(partition: str) -> str:
-    return (dt.date.fromisoformat(partition) - dt.timedelta(days=1)).isoformat()
+def batches_digest(batches: Sequence[str]) -> str:
+    """A digest of an ordered list of batch ids: a position records the one of the batches it
+    applied, so a restart can tell that the list it sees now starts with the same batches."""
+    return hashlib.sha256(json.dumps(list(batches)).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True, order=True)
 class SourcePosition:
     """How far the input has been applied to the state: the first ``batches`` batches of
-    ``partition`` (and every earlier partition); ``complete`` once all of its batches are."""
+    ``partition`` (and every earlier partition); ``complete`` once all of its batches are.
+    ``digest`` identifies the batches applied (``batches_digest``); positions written before
+    it existed have none."""
 
     partition: str
     batches: int
     complete: bool
+    digest: str | None = field(default=None, compare=False)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(
-            {"partition": self.partition, "batches": self.batches, "complete": self.complete},
-            sort_keys=True,
-        ).encode()
+        raw = {"partition": self.partition, "batches": self.batches, "complete": self.complete}
+        if self.digest is not None:
+            raw["digest"] = self.digest
+        return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "SourcePosition":
         try:
             raw = json.loads(data)
-            position = cls(str(raw["partition"]), int(raw["batches"]), bool(raw["complete"]))
-            dt.date.fromisoformat(position.partition)
-        except (ValueError, KeyError, TypeError) as exc:
+            digest = raw.get("digest")
+            position = cls(
+                str(raw["partition"]),
+                int(raw["batches"]),
+                bool(raw["complete"]),
+                None if digest is None else str(digest),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise InvalidCheckpointError(f"malformed source position {data[:100]!r}") from exc
+        if position.batches < 0:
+            raise InvalidCheckpointError(f"malformed source position {data[:100]!r}")
         return position
 
     @classmethod
@@ -122,16 +136,16 @@ class SourcePosition:
         if data is None:
             raise InvalidCheckpointError(
                 f"checkpoint {metadata.checkpoint_id} has no source position: it was not "
-                "written by this pipeline"
+                "written by a pipeline"
             )
         return cls.from_bytes(data)
 
-    def fits(self, partition: str) -> bool:
+    def fits(self, partition: str, order: PartitionOrder) -> bool:
         """Whether this state is where processing ``partition`` can start: after the whole
         previous partition, or part-way into ``partition``."""
-        return (self.partition == previous_partition(partition) and self.complete) or (
-            self.partition == partition and not self.complete
-        )
+        if self.partition == partition:
+            return not self.complete
+        return self.complete and self.partition == order.previous(partition)
 
     def __str__(self) -> str:
         if self.complete:
@@ -143,25 +157,34 @@ class MissingStateError(LookupError):
     """No snapshot holds the state a partition needs to start from."""
 
 
-def _does_not_fit_message(pointer: str, position: SourcePosition, partition: str) -> str:
+class BatchListChangedError(RuntimeError):
+    """A partition's batch list no longer starts with the batches a checkpoint applied: some
+    vanished or were reordered after the checkpoint was taken."""
+
+
+def _starts_after(order: PartitionOrder, partition: str) -> str:
+    previous = order.previous(partition)
+    return "empty state" if previous is None else f"the end of {previous}"
+
+
+def _does_not_fit_message(
+    pointer: str, position: SourcePosition, partition: str, order: PartitionOrder
+) -> str:
     return (
         f"{pointer} holds the state at {position}, but processing {partition} starts from "
-        f"the end of {previous_partition(partition)} (or from within {partition}): choose a "
-        "snapshot that fits, or a range that starts right after it"
+        f"{_starts_after(order, partition)} (or from within {partition}): choose a snapshot "
+        "that fits, or a range that starts right after it"
     )
 
 
 def check_restore_from(
-    storage: CheckpointStorage,
-    pointer: str,
-    partition: str,
-    pipeline_name: str = "user_activity",
+    storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline
 ) -> SourcePosition:
     """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
     to validate and to fit ``partition``; ``MissingStateError`` with a clear message
     otherwise. Storage only (reads one `_metadata`): run it before any Spark work."""
-    partition = dt.date.fromisoformat(partition).isoformat()
-    access = storage.create_checkpoint_storage(job_id_for(pipeline_name))
+    partition = pipeline.order.check(partition)
+    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
     try:
         location = access.resolve_checkpoint(pointer)
         position = SourcePosition.of(location.load_metadata())
@@ -173,9 +196,10 @@ def check_restore_from(
         ) from exc
     except InvalidCheckpointError as exc:
         raise MissingStateError(f"restore_from {pointer} is not a usable snapshot: {exc}") from exc
-    if not position.fits(partition):
-        pointer = location.external_pointer
-        raise MissingStateError(_does_not_fit_message(pointer, position, partition))
+    if not position.fits(partition, pipeline.order):
+        raise MissingStateError(
+            _does_not_fit_message(location.external_pointer, position, partition, pipeline.order)
+        )
     return position
 
 
@@ -205,46 +229,50 @@ class PartitionResult:
 FaultHook = Callable[..., None]
 
 
+def empty_state(spark: SparkSession, stage) -> DataFrame:
+    return spark.createDataFrame([], stage.state_schema)
+
+
 class StatefulRunner:
-    """Runs the stages over daily partitions of landed input, checkpointing through
-    ``storage``. ``first_partition`` is the one that starts from empty state."""
+    """Runs ``pipeline`` over its partitions, checkpointing through ``storage``. The first of
+    the pipeline's partitions starts from empty state; every other one from a snapshot.
+
+    ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
+    ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
+    state file is written."""
 
     def __init__(
         self,
         spark: SparkSession,
         storage: CheckpointStorage,
+        pipeline: StatefulPipeline,
         *,
-        landing_dir: str,
-        report_dir: str,
-        first_partition: str,
-        pipeline_name: str = "user_activity",
-        stages: Sequence[Stage] = STAGES,
-        checkpoint_interval: int = 2,
-        max_retained: int = 3,
-        landing_options: dict | None = None,
         fault_hook: FaultHook | None = None,
         task_after_write: Callable[[int, int], None] | None = None,
     ) -> None:
-        if checkpoint_interval < 1:
-            raise ValueError(f"checkpoint_interval must be >= 1, got {checkpoint_interval}")
         self.spark = spark
         self.storage = storage
-        self.landing_dir = landing_dir
-        self.report_dir = report_dir
-        self.first_partition = dt.date.fromisoformat(first_partition).isoformat()
-        self.job_id = job_id_for(pipeline_name)
-        self.stages = tuple(stages)
-        self.checkpoint_interval = checkpoint_interval
-        self.landing_options = landing_options
+        self.pipeline = pipeline
+        self.order = pipeline.order
+        self.job_id = job_id_for(pipeline.name)
+        self.stages = pipeline.stages
         self._fault = fault_hook or (lambda point, **info: None)
         self._task_after_write = task_after_write
         self._last_checkpoint_id = 0
         self.access = storage.create_checkpoint_storage(self.job_id)
-        self.access.initialize_base_locations()
         # Checkpoints outlive runs: the job is suspended between partitions, never finished.
         self.store = FileSystemCompletedCheckpointStore(
-            self.access, max_retained, CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION
+            self.access,
+            pipeline.max_retained_checkpoints,
+            CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
         )
+        self._coordinating = False
+
+    def _coordinate(self) -> None:
+        """Coordinator setup before the first checkpoint or savepoint this runner writes."""
+        if not self._coordinating:
+            self.access.initialize_base_locations()
+            self._coordinating = True
 
     # --- running partitions ------------------------------------------------------------
 
@@ -255,25 +283,24 @@ class StatefulRunner:
         restore_from: str | None = None,
         restore_mode: RestoreMode | str = RestoreMode.NO_CLAIM,
         on_partition_done: Callable[[PartitionResult], None] | None = None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> list[PartitionResult]:
         """Process consecutive ``partitions`` in order in this session, starting from the
         snapshot that fits the first one (``restore_from``, else the newest retained
         checkpoint that fits), and checkpointing every ``checkpoint_interval`` batches and at
         the end of each partition. ``on_partition_done`` hears of each partition as soon as
-        its final checkpoint completed."""
-        partitions = [dt.date.fromisoformat(p).isoformat() for p in partitions]
+        its final checkpoint completed; ``on_progress`` gets a line per batch and checkpoint."""
+        partitions = self.order.check_consecutive(partitions)
         if not partitions:
             return []
-        for before, after in zip(partitions, partitions[1:], strict=False):
-            if previous_partition(after) != before:
-                raise ValueError(f"partitions must be consecutive days, got {before}, {after}")
+        self._coordinate()
         origin, states, position = self._starting_point(
             partitions[0], restore_from, RestoreMode(restore_mode)
         )
         results = []
         try:
             for partition in partitions:
-                result = self._run_partition(partition, states, position, origin)
+                result = self._run_partition(partition, states, position, origin, on_progress)
                 results.append(result)
                 if on_partition_done is not None:
                     on_partition_done(result)
@@ -284,71 +311,105 @@ class StatefulRunner:
                 state.unpersist()
         return results
 
+    def _batches_after(self, partition: str, position: SourcePosition) -> tuple[list[str], int]:
+        """The partition's batches, and how many of them ``position`` already applied; a
+        clear error when the list no longer starts with the batches it applied."""
+        batches = self.pipeline.source.batches(self.spark, partition)
+        if position.partition != partition:
+            return batches, 0
+        applied = position.batches
+        if position.digest is not None and (
+            len(batches) < applied or batches_digest(batches[:applied]) != position.digest
+        ):
+            where = self.pipeline.source.describe(partition)
+            raise BatchListChangedError(
+                f"the batches of partition {partition} ({where}) changed after the checkpoint "
+                f"at {position} applied {applied} of them: {len(batches)} batches are listed "
+                f"now and the first {min(applied, len(batches))} are not the ones applied "
+                "(files vanished, were renamed or sort differently). New batches may only be "
+                f"appended. Restore the original batches, or process {partition} again from "
+                f"{_starts_after(self.order, partition)} (restore_from a snapshot there)"
+            )
+        if len(batches) < applied:  # positions without a digest: at least the count must hold
+            raise BatchListChangedError(
+                f"partition {partition} lists {len(batches)} batches, but the checkpoint at "
+                f"{position} applied {applied}: batches vanished"
+            )
+        return batches, applied
+
     def _run_partition(
         self,
         partition: str,
         states: dict[str, DataFrame],
         position: SourcePosition,
         origin: str | None,
+        on_progress: Callable[[str], None] | None = None,
     ) -> PartitionResult:
         started = time.monotonic()
-        urls = batch_urls(self.landing_dir, partition, self.landing_options)
-        first = position.batches if position.partition == partition else 0
-        rows = {"input": 0} | {stage.name: 0 for stage in self.stages}
+        progress = on_progress or (lambda line: None)
+        batches, first = self._batches_after(partition, position)
+        if first == 0:
+            for sink in self.pipeline.sinks:
+                if sink.of == "output":
+                    sink.clear(self.spark, partition)
+        rows = {SOURCE: 0} | {stage.name: 0 for stage in self.stages}
         taken: list[CheckpointSummary] = []
-        for index in range(first, len(urls)):
-            self._apply_batch(states, urls[index], rows)
+        interval = self.pipeline.checkpoint_interval
+        for index in range(first, len(batches)):
+            applied = self._apply_batch(states, partition, batches[index], index, rows)
+            progress(
+                f"{partition}: batch {index + 1} of {len(batches)} ({applied} rows in)"
+            )
             self._fault("batch_applied", partition=partition, batch=index)
             done = index + 1
-            position = SourcePosition(partition, done, done == len(urls))
-            if not position.complete and (done - first) % self.checkpoint_interval == 0:
+            position = SourcePosition(
+                partition, done, done == len(batches), batches_digest(batches[:done])
+            )
+            if not position.complete and (done - first) % interval == 0:
                 taken.append(self.checkpoint(states, position))
-        if first == len(urls):  # nothing (left) to apply: still a full partition checkpoint
-            position = SourcePosition(partition, len(urls), True)
-        self._write_report(states, partition)
+                progress(_checkpoint_line(taken[-1]))
+        if first == len(batches):  # nothing (left) to apply: still a full partition checkpoint
+            position = SourcePosition(partition, len(batches), True, batches_digest(batches))
+        for sink in self.pipeline.sinks:
+            if sink.of == "state":
+                sink.write(self.spark, states[sink.stage], partition, None)
         final = self.checkpoint(states, position)
         taken.append(final)
+        progress(_checkpoint_line(final))
         return PartitionResult(
             partition,
             origin,
-            len(urls) - first,
+            len(batches) - first,
             final,
             taken,
             rows,
             time.monotonic() - started,
         )
 
-    def _apply_batch(self, states: dict[str, DataFrame], url: str, rows: dict[str, int]) -> None:
-        data = self.spark.read.schema(EVENT_SCHEMA).parquet(url)
-        rows["input"] += data.count()
-        for stage in self.stages:
+    def _apply_batch(
+        self, states: dict[str, DataFrame], partition: str, batch: str, index: int, rows: dict
+    ) -> int:
+        data = self.pipeline.source.read(self.spark, partition, batch)
+        # Materialise once: every stage reading the source sees the same rows.
+        outputs = {SOURCE: data.localCheckpoint(eager=True)}
+        count = outputs[SOURCE].count()
+        rows[SOURCE] += count
+        for number, stage in enumerate(self.stages):
             old = states[stage.name]
-            new_state, output = stage.apply(old, data)
+            new_state, output = stage.apply(old, outputs[self.pipeline.input_of(number)])
             # Materialise once and cut the lineage, so that state does not grow a plan of
             # every batch ever applied; the checkpoint then writes from these blocks.
             output = output.localCheckpoint(eager=True)
             rows[stage.name] += output.count()
             states[stage.name] = new_state.localCheckpoint(eager=True)
             old.unpersist()
-            data = output
-
-    def _write_report(self, states: dict[str, DataFrame], partition: str) -> None:
-        """The daily report: each user's activity as of the end of ``partition``. Spark's
-        dynamic partition overwrite replaces the day's directory, so a re-run replaces it."""
-        if "user_activity" not in states:
-            return
-        day = F.lit(partition).cast("date")
-        report = (
-            states["user_activity"]
-            .withColumn("active_on_day", F.to_date("last_seen") == day)
-            .withColumn("report_date", day)
-        )
-        (
-            report.write.mode("overwrite")
-            .option("partitionOverwriteMode", "dynamic")
-            .partitionBy("report_date")
-            .parquet(self.report_dir)
-        )
+            outputs[stage.name] = output
+        for sink in self.pipeline.sinks:
+            if sink.of == "output":
+                sink.write(self.spark, outputs[sink.stage], partition, index)
+        for output in outputs.values():
+            output.unpersist()
+        return count
 
     # --- checkpoints and savepoints ----------------------------------------------------
 
@@ -362,6 +423,7 @@ class StatefulRunner:
     def checkpoint(
         self, states: dict[str, DataFrame], position: SourcePosition
     ) -> CheckpointSummary:
+        self._coordinate()
         checkpoint_id = self.next_checkpoint_id()
         location = self.access.initialize_location_for_checkpoint(checkpoint_id)
         summary, completed, metadata = self._snapshot(
@@ -402,6 +464,7 @@ class StatefulRunner:
         checkpoint_id: int,
         target_directory: str | None = None,
     ) -> CheckpointSummary:
+        self._coordinate()
         location = self.access.initialize_location_for_savepoint(checkpoint_id, target_directory)
         summary, _, _ = self._snapshot(
             states, position, checkpoint_id, location, CheckpointProperties.for_savepoint()
@@ -416,7 +479,10 @@ class StatefulRunner:
         location: CheckpointStorageLocation,
         properties: CheckpointProperties,
     ) -> tuple[CheckpointSummary, CompletedCheckpointStorageLocation, CheckpointMetadata]:
-        master = {POSITION_STATE: position.to_bytes()}
+        master = {
+            POSITION_STATE: position.to_bytes(),
+            PIPELINE_NAME_STATE: self.pipeline.name.encode(),
+        }
         operator_states = []
         state_rows = {}
         options = self.storage.storage_options if hasattr(self.storage, "storage_options") else {}
@@ -540,24 +606,25 @@ class StatefulRunner:
             location = self.access.resolve_checkpoint(restore_from)
             metadata = location.load_metadata()
             position = SourcePosition.of(metadata)
-            if not position.fits(partition):
+            if not position.fits(partition, self.order):
                 raise MissingStateError(
-                    _does_not_fit_message(location.external_pointer, position, partition)
+                    _does_not_fit_message(location.external_pointer, position, partition,
+                                          self.order)
                 )
             checkpoint = self.store.restore(location, mode)
             return checkpoint.external_pointer, self.restore_states(metadata), position
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)
-            if position.fits(partition):
+            if position.fits(partition, self.order):
                 states = self.restore_states(checkpoint.metadata)
                 return checkpoint.external_pointer, states, position
-        if partition <= self.first_partition:
+        if self.order.previous(partition) is None:
             fresh = {stage.name: empty_state(self.spark, stage) for stage in self.stages}
-            return None, fresh, SourcePosition(previous_partition(partition), 0, True)
+            return None, fresh, SourcePosition(partition, 0, False, batches_digest([]))
         raise MissingStateError(self._missing_state_message(partition))
 
     def _missing_state_message(self, partition: str) -> str:
-        previous = previous_partition(partition)
+        previous = self.order.previous(partition)
         retained = ", ".join(
             f"chk-{c.checkpoint_id} ({SourcePosition.of(c.metadata)})" for c in self.store.all()
         ) or "none"
@@ -569,8 +636,8 @@ class StatefulRunner:
             f"of {previous} (run config restore_from)"
         )
         return (
-            f"processing {partition} needs the state after {previous}, and no retained "
-            f"checkpoint holds it (retained: {retained}): {advice}"
+            f"processing {partition} of pipeline {self.pipeline.name} needs the state after "
+            f"{previous}, and no retained checkpoint holds it (retained: {retained}): {advice}"
         )
 
     def _fitting_savepoints(self, partition: str) -> list[str]:
@@ -590,7 +657,7 @@ class StatefulRunner:
             pointer = fs.unstrip_protocol(entry) if "://" in directory else entry
             try:
                 metadata = self.access.resolve_checkpoint(pointer).load_metadata()
-                if SourcePosition.of(metadata).fits(partition):
+                if SourcePosition.of(metadata).fits(partition, self.order):
                     fitting.append(pointer)
             except (OSError, ValueError) as exc:
                 logger.debug("not a usable savepoint: %s (%s)", pointer, exc)
@@ -599,6 +666,13 @@ class StatefulRunner:
     def latest_position(self) -> SourcePosition | None:
         latest = self.store.latest()
         return None if latest is None else SourcePosition.of(latest.metadata)
+
+
+def _checkpoint_line(summary: CheckpointSummary) -> str:
+    return (
+        f"{summary.position.partition}: checkpoint {summary.checkpoint_id} at {summary.position} "
+        f"({format_size(summary.state_bytes)}, {summary.files_written} files)"
+    )
 
 
 _HANDLE_COLUMNS = [name.split()[0] for name in HANDLE_ROW_DDL.split(", ")]

@@ -21,8 +21,8 @@ from checkpoint_storage import (
     FileStateHandle,
     RelativeFileStateHandle,
     StreamStateHandle,
+    url_to_fs,
 )
-from checkpoint_storage._filesystems import url_to_fs
 
 __all__ = [
     "HANDLE_ROW_SCHEMA",

@@ -1,13 +1,13 @@
 """Dagster resources: the Spark session and the checkpoint storage. Resources stay on the
 driver; only the plain objects they hand out travel to executors."""
 
-from resources.checkpoint_storage import CheckpointStorageResource, DataLakeResource
+from resources.checkpoint_storage import CheckpointStorageResource, refuse_credentials
 from resources.spark import DEFAULT_SPARK_CONF, SparkResource, build_spark_session
 
 __all__ = [
     "DEFAULT_SPARK_CONF",
     "CheckpointStorageResource",
-    "DataLakeResource",
     "SparkResource",
     "build_spark_session",
+    "refuse_credentials",
 ]

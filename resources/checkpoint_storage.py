@@ -4,10 +4,13 @@ handing out plain ``checkpoint_storage`` objects."""
 from dagster import ConfigurableResource
 from pydantic import field_validator
 
-from checkpoint_storage import FileSystemCheckpointStorage
-from checkpoint_storage._storage import DEFAULT_FILE_STATE_THRESHOLD, DEFAULT_WRITE_BUFFER_SIZE
+from checkpoint_storage import (
+    DEFAULT_FILE_STATE_THRESHOLD,
+    DEFAULT_WRITE_BUFFER_SIZE,
+    FileSystemCheckpointStorage,
+)
 
-__all__ = ["CheckpointStorageResource", "DataLakeResource"]
+__all__ = ["CheckpointStorageResource", "refuse_credentials"]
 
 # fsspec option names that hold credentials in s3fs, gcsfs, adlfs and friends.
 _SECRET_OPTIONS = {
@@ -15,6 +18,19 @@ _SECRET_OPTIONS = {
     "aws_secret_access_key", "aws_session_token", "account_key", "sas_token", "client_secret",
     "connection_string", "credentials",
 }  # fmt: skip
+
+
+def refuse_credentials(options: dict) -> dict:
+    """``options`` unchanged, unless a key looks like a credential: those would travel to every
+    executor inside the objects shipped there, so they must come from the environment."""
+    secrets = sorted(k for k in options if str(k).lower() in _SECRET_OPTIONS)
+    if secrets:
+        raise ValueError(
+            f"storage_options {secrets} look like credentials, which would travel to every "
+            "executor: put them in environment variables and name those in "
+            "storage_options_from_env (e.g. {'secret': 'AWS_SECRET_ACCESS_KEY'})"
+        )
+    return options
 
 
 class CheckpointStorageResource(ConfigurableResource):
@@ -33,29 +49,13 @@ class CheckpointStorageResource(ConfigurableResource):
     savepoint_dir: str | None = None
     file_state_size_threshold: int = DEFAULT_FILE_STATE_THRESHOLD
     write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE
-    max_retained_checkpoints: int = 3
-    checkpoint_interval_batches: int = 2
     storage_options: dict[str, str] = {}
     storage_options_from_env: dict[str, str] = {}
 
     @field_validator("storage_options")
     @classmethod
     def _no_secrets(cls, options: dict[str, str]) -> dict[str, str]:
-        secrets = sorted(k for k in options if k.lower() in _SECRET_OPTIONS)
-        if secrets:
-            raise ValueError(
-                f"storage_options {secrets} look like credentials, which would travel to every "
-                "executor: put them in environment variables and name those in "
-                "storage_options_from_env (e.g. {'secret': 'AWS_SECRET_ACCESS_KEY'})"
-            )
-        return options
-
-    @field_validator("max_retained_checkpoints", "checkpoint_interval_batches")
-    @classmethod
-    def _positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(f"must be at least 1, got {value}")
-        return value
+        return refuse_credentials(options)
 
     def checkpoint_storage(self) -> FileSystemCheckpointStorage:
         """A plain, picklable storage config object: safe to ship to executors."""
@@ -67,12 +67,3 @@ class CheckpointStorageResource(ConfigurableResource):
             storage_options=dict(self.storage_options),
             storage_options_from_env=dict(self.storage_options_from_env),
         )
-
-
-class DataLakeResource(ConfigurableResource):
-    """Where the input lands and the report goes. Spark reads and writes these itself, so
-    they are URLs of Spark's filesystems: local paths, ``hdfs://``, or ``s3a://`` on a
-    cluster with hadoop-aws."""
-
-    landing_dir: str
-    report_dir: str

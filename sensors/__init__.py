@@ -1,67 +1,89 @@
-"""Schedules and sensors of the pipeline (DESIGN §5): scheduled savepoints, storage
-retention, automatic recovery of failed runs.
+"""The Dagster side of stateful pipelines: ``pipeline_definitions(pipeline)`` builds every
+asset, check, job, schedule and sensor of a ``pipelines.StatefulPipeline``;
+``StatefulPipelineComponent`` builds the same from a ``defs.yaml`` (``dg scaffold defs
+sensors.StatefulPipelineComponent <name>`` starts one in ``pipelines/defs/<name>/``).
 
-- ``savepoint_schedule`` + ``savepoint_job``: RUNNING. It only writes new savepoints (into
-  ``<savepoint_dir>/scheduled``) and skips while there is no completed checkpoint.
-- ``checkpoint_retention_sensor``: RUNNING. It deletes only what the store's retention and
-  the grace-period collector would, and scheduled savepoints beyond the newest K; never a
+Per pipeline ``<name>``:
+
+- ``<name>`` (+ ``<name>_<sink>``): the stateful multi-asset; run config ``restore_from`` /
+  ``restore_mode`` (backfill from a savepoint, validated before any Spark work).
+- ``checkpoint_integrity`` check on ``<name>``, run by ``<name>_integrity_job``.
+- ``<name>_savepoint_schedule`` + ``<name>_savepoint_job``: RUNNING. Writes new savepoints
+  into ``<savepoint_dir>/scheduled``; skips while there is no completed checkpoint.
+- ``<name>_retention_sensor``: RUNNING. Deletes only what the store's retention and the
+  grace-period collector would, and scheduled savepoints beyond the newest K; never a
   snapshot in use, never a hand-made savepoint unless configured.
-- ``daily_pipeline_recovery_sensor``: RUNNING. One recovery run per failed run, a bounded
-  number of attempts.
+- ``<name>_recovery_sensor``: RUNNING. One recovery run per failed run of ``<name>_job``, a
+  bounded number of attempts.
 
 Stop any of them in the UI (Automation) or with ``dagster schedule stop`` / ``dagster sensor
-stop``; the backfill from a savepoint needs nothing here (run config ``restore_from`` of
-``user_activity``, validated before any Spark work).
+stop``.
 """
 
+from sensors._assets import (
+    FAULT_INJECTION_ENV,
+    FAULT_TAG,
+    StatefulRunConfig,
+    build_integrity_check,
+    build_stateful_assets,
+    pool_for,
+    runner_for,
+    sink_asset_key,
+)
+from sensors._definitions import pipeline_definitions
+from sensors.component import ImportReference, PartitionsSpec, StatefulPipelineComponent
 from sensors.recovery import (
     RECOVERY_ATTEMPT_TAG,
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
     plan_recovery,
-    recovery_sensor,
 )
 from sensors.retention import (
     RetentionPolicy,
     RetentionReport,
     apply_retention,
     build_retention_sensor,
-    retention_sensor,
     savepoints_in_use,
     work_in_progress,
 )
 from sensors.savepoints import (
     SAVEPOINT_KIND_TAG,
     SavepointConfig,
+    build_savepoint_job,
     build_savepoint_schedule,
-    savepoint_job,
     savepoint_run_request,
-    savepoint_schedule,
     savepoint_target,
-    take_savepoint,
 )
 
 __all__ = [
+    "FAULT_INJECTION_ENV",
+    "FAULT_TAG",
     "RECOVERY_ATTEMPT_TAG",
     "RECOVERY_OF_TAG",
     "RECOVERY_ROOT_TAG",
     "SAVEPOINT_KIND_TAG",
     "RetentionPolicy",
     "RetentionReport",
+    "ImportReference",
+    "PartitionsSpec",
     "SavepointConfig",
+    "StatefulPipelineComponent",
+    "StatefulRunConfig",
     "apply_retention",
+    "build_integrity_check",
     "build_recovery_sensor",
     "build_retention_sensor",
+    "build_savepoint_job",
     "build_savepoint_schedule",
+    "build_stateful_assets",
+    "pipeline_definitions",
     "plan_recovery",
-    "recovery_sensor",
-    "retention_sensor",
-    "savepoint_job",
+    "pool_for",
+    "runner_for",
     "savepoint_run_request",
-    "savepoint_schedule",
     "savepoint_target",
     "savepoints_in_use",
-    "take_savepoint",
+    "sink_asset_key",
     "work_in_progress",
 ]

@@ -20,7 +20,7 @@ Never deleted: the latest completed checkpoint; anything a retained checkpoint r
 - a run that has not finished (queued, starting, started) or a backfill in progress names as
   ``restore_from`` in its run config, or
 - is where the current checkpoint lineage began: following the ``restored_from`` metadata of
-  ``user_activity`` materializations back from each retained checkpoint reaches it (a backfill
+  the pipeline's state materializations back from each retained checkpoint reaches it (a backfill
   from that savepoint produced the checkpoints that are retained now), or
 - holds a file a retained checkpoint references.
 
@@ -29,9 +29,9 @@ restoring from a checkpoint or savepoint right now); step 2 always runs, because
 is safe next to a running job as long as the grace period exceeds the longest checkpoint.
 
 Reporting: the sensor launches no run. When it deleted something it records an
-``AssetObservation`` on ``user_activity`` (what was deleted, bytes, what was kept as in use),
-so the deletions appear on the asset's page next to the checkpoints they concern, and it logs
-the summary in the tick's logs; when there was nothing to delete the tick is skipped with a
+``AssetObservation`` on the pipeline's state asset (what was deleted, bytes, what was kept as
+in use), so the deletions appear on the asset's page next to the checkpoints they concern, and
+it logs the summary in the tick's logs; when there was nothing to delete the tick is skipped with a
 reason saying what was checked. The cursor keeps the time of the last evaluation and running
 totals, so ticks stay idempotent (a second evaluation finds nothing to delete). A run per
 cleanup would have put a Spark-less run in the run list every hour for nothing.
@@ -55,7 +55,6 @@ import os
 from dataclasses import dataclass, field
 
 import dagster as dg
-from dagster._core.execution.backfill import BulkActionStatus
 
 from checkpoint_storage import (
     CheckpointInfo,
@@ -66,10 +65,10 @@ from checkpoint_storage import (
     GarbageCollectionResult,
     collect_garbage,
     dispose_savepoint,
+    format_size,
     list_checkpoints,
 )
-from checkpoint_storage._filesystems import format_size
-from pipelines.runner import SCHEDULED_SAVEPOINTS, job_id_for
+from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
 from resources import CheckpointStorageResource
 
 __all__ = [
@@ -77,13 +76,12 @@ __all__ = [
     "RetentionReport",
     "apply_retention",
     "build_retention_sensor",
-    "retention_sensor",
     "savepoints_in_use",
     "work_in_progress",
 ]
 
 logger = logging.getLogger(__name__)
-PIPELINE = "user_activity"
+_ACTIVE_BACKFILLS = ("REQUESTED", "CANCELING")
 _ACTIVE_RUNS = [
     dg.DagsterRunStatus.QUEUED,
     dg.DagsterRunStatus.STARTING,
@@ -209,7 +207,7 @@ def apply_retention(
     in_use: dict[str, str] | None = None,
     deferred: str | None = None,
     now: dt.datetime | float | None = None,
-    pipeline: str = PIPELINE,
+    pipeline: str,
 ) -> RetentionReport:
     """Apply checkpoint retention, garbage collection and savepoint retention to the
     ``pipeline``'s storage (see the module docstring); ``in_use`` maps savepoint pointers to
@@ -270,28 +268,30 @@ def apply_retention(
 # --- what the Dagster instance knows --------------------------------------------------
 
 
-def _restore_from(run_config: dict | None) -> str | None:
+def _restore_from(run_config: dict | None, op_name: str) -> str | None:
     ops = (run_config or {}).get("ops", {})
-    value = ops.get(PIPELINE, {}).get("config", {}).get("restore_from")
+    value = ops.get(op_name, {}).get("config", {}).get("restore_from")
     return value if isinstance(value, str) and value else None
 
 
-def work_in_progress(instance: dg.DagsterInstance) -> tuple[str | None, dict[str, str]]:
+def work_in_progress(
+    instance: dg.DagsterInstance, op_name: str
+) -> tuple[str | None, dict[str, str]]:
     """A reason to defer retention (runs or backfills in progress) or None, and the
-    snapshots those name as ``restore_from``."""
+    snapshots those name as ``restore_from`` of op ``op_name`` (the pipeline's stateful
+    step). Any run in progress defers: from the instance alone one cannot always tell which
+    pipelines an asset backfill's run will touch, and deferring is always safe."""
     runs = instance.get_runs(dg.RunsFilter(statuses=_ACTIVE_RUNS), limit=100)
     backfills = [
-        b
-        for status in (BulkActionStatus.REQUESTED, BulkActionStatus.CANCELING)
-        for b in instance.get_backfills(status=status, limit=100)
+        b for b in instance.get_backfills(limit=100) if b.status.value in _ACTIVE_BACKFILLS
     ]
     named = {}
     for run in runs:
-        pointer = _restore_from(run.run_config)
+        pointer = _restore_from(run.run_config, op_name)
         if pointer:
             named[pointer] = f"run {run.run_id} ({run.status.value}) restores from it"
     for backfill in backfills:
-        pointer = _restore_from(backfill.run_config)
+        pointer = _restore_from(backfill.run_config, op_name)
         if pointer:
             named[pointer] = f"backfill {backfill.backfill_id} restores from it"
     if not runs and not backfills:
@@ -302,11 +302,15 @@ def work_in_progress(instance: dg.DagsterInstance) -> tuple[str | None, dict[str
 
 
 def savepoints_in_use(
-    instance: dg.DagsterInstance, retained_checkpoints: list[str], *, limit: int = 1000
+    instance: dg.DagsterInstance,
+    retained_checkpoints: list[str],
+    asset: str,
+    *,
+    limit: int = 1000,
 ) -> dict[str, str]:
     """Savepoints the current lineage began at: following the ``restored_from`` metadata of
-    ``user_activity``'s materializations back from each retained checkpoint."""
-    records = instance.fetch_materializations(dg.AssetKey(PIPELINE), limit=limit).records
+    ``asset``'s materializations back from each retained checkpoint."""
+    records = instance.fetch_materializations(dg.AssetKey(asset), limit=limit).records
     origin: dict[str, str] = {}
     for record in records:
         metadata = record.asset_materialization.metadata
@@ -326,40 +330,42 @@ def savepoints_in_use(
 
 
 def build_retention_sensor(
+    pipeline: StatefulPipeline,
     policy: RetentionPolicy | None = None,
     *,
-    name: str = "checkpoint_retention_sensor",
     minimum_interval_seconds: int | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
 ) -> dg.SensorDefinition:
-    """The retention sensor with ``policy`` (default: ``RetentionPolicy.from_env()``)."""
+    """``<pipeline>_retention_sensor`` with ``policy`` (default: ``RetentionPolicy.from_env()``)."""
     policy = policy or RetentionPolicy.from_env()
     interval = minimum_interval_seconds or int(os.environ.get("RETENTION_INTERVAL_SECONDS", 3600))
+    name = pipeline.name
 
     @dg.sensor(
-        name=name,
+        name=f"{name}_retention_sensor",
         minimum_interval_seconds=interval,
         default_status=default_status,
-        description="Subsume checkpoints beyond max_retained_checkpoints, collect unreferenced "
-        f"files older than {policy.grace_period}, keep the newest "
-        f"{policy.keep_scheduled_savepoints or 'all'} scheduled savepoints and "
-        f"{policy.keep_hand_made_savepoints or 'all'} hand-made ones. Records what it "
-        "deleted as an observation of user_activity.",
+        description=f"Subsume checkpoints of {name} beyond its "
+        f"{pipeline.max_retained_checkpoints} retained ones, collect unreferenced files older "
+        f"than {policy.grace_period}, keep the newest {policy.keep_scheduled_savepoints or 'all'} "
+        f"scheduled savepoints and {policy.keep_hand_made_savepoints or 'all'} hand-made ones. "
+        f"Records what it deleted as an observation of {name}.",
     )
     def retention(
         context: dg.SensorEvaluationContext, checkpoint_storage: CheckpointStorageResource
     ):
         storage = checkpoint_storage.checkpoint_storage()
-        access = storage.create_checkpoint_storage(job_id_for(PIPELINE))
-        deferred, named = work_in_progress(context.instance)
+        access = storage.create_checkpoint_storage(job_id_for(name))
+        deferred, named = work_in_progress(context.instance, name)
         retained = _completed_checkpoints(access, dict(storage.storage_options))
-        in_use = savepoints_in_use(context.instance, retained) | named
+        in_use = savepoints_in_use(context.instance, retained, name) | named
         report = apply_retention(
             storage,
-            max_retained=checkpoint_storage.max_retained_checkpoints,
+            max_retained=pipeline.max_retained_checkpoints,
             policy=policy,
             in_use=in_use,
             deferred=deferred,
+            pipeline=name,
         )
         previous = json.loads(context.cursor) if context.cursor else {}
         deleted = (
@@ -383,12 +389,9 @@ def build_retention_sensor(
             cursor=cursor,
             asset_events=[
                 dg.AssetObservation(
-                    PIPELINE, description="retention deleted storage", metadata=report.metadata()
+                    name, description="retention deleted storage", metadata=report.metadata()
                 )
             ],
         )
 
     return retention
-
-
-retention_sensor = build_retention_sensor()

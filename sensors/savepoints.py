@@ -1,15 +1,16 @@
-"""Savepoints on a schedule (and by hand): ``savepoint_job`` and ``savepoint_schedule``.
+"""Savepoints on a schedule (and by hand): ``<pipeline>_savepoint_job`` and
+``<pipeline>_savepoint_schedule``.
 
 The job's one op restores the latest completed checkpoint (or ``restore_from``) on the
 executors and writes it straight into a fresh ``savepoint-*`` directory through the savepoint
 location's reference (``StatefulRunner.take_savepoint``, DESIGN §4). It records an
-``AssetObservation`` on ``user_activity`` with the savepoint's pointer, size, the source
+``AssetObservation`` on the pipeline's state asset with the savepoint's pointer, size, the source
 position it holds and the id of the checkpoint it was taken from, so every savepoint shows on
 the asset's page in the UI.
 
 Scheduled and hand-made savepoints are told apart by where they are: the schedule writes into
 ``<savepoint_dir>/scheduled`` (``SCHEDULED_SAVEPOINTS``), which the retention sensor may thin
-out; the job launched by hand (UI, ``dagster job launch -j savepoint_job``) and the
+out; the job launched by hand (UI, ``dagster job launch -j <pipeline>_savepoint_job``) and the
 ``checkpoints`` CLI write into ``<savepoint_dir>`` itself, which retention leaves alone unless
 configured otherwise. The place survives outside Dagster (a run's tags do not), so retention
 needs nothing but the storage to tell them apart; the runs carry a ``savepoint/kind`` tag too.
@@ -25,26 +26,23 @@ import os
 
 import dagster as dg
 
-from checkpoint_storage._filesystems import format_size
-from pipelines.assets import build_runner
-from pipelines.runner import SCHEDULED_SAVEPOINTS, job_id_for
-from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+from checkpoint_storage import format_size
+from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
+from resources import CheckpointStorageResource, SparkResource
+from sensors._assets import pool_for, runner_for
 
 __all__ = [
     "DEFAULT_SAVEPOINT_CRON",
     "SAVEPOINT_KIND_TAG",
     "SavepointConfig",
+    "build_savepoint_job",
     "build_savepoint_schedule",
-    "savepoint_job",
     "savepoint_run_request",
-    "savepoint_schedule",
     "savepoint_target",
-    "take_savepoint",
 ]
 
 DEFAULT_SAVEPOINT_CRON = "0 3 * * *"
 SAVEPOINT_KIND_TAG = "savepoint/kind"
-PIPELINE = "user_activity"
 
 
 class SavepointConfig(dg.Config):
@@ -69,108 +67,124 @@ def savepoint_target(checkpoint_storage: CheckpointStorageResource, config: Save
     return None
 
 
-def _latest_checkpoint_pointer(checkpoint_storage: CheckpointStorageResource) -> str | None:
+def _latest_checkpoint_pointer(
+    pipeline: StatefulPipeline, checkpoint_storage: CheckpointStorageResource
+) -> str | None:
     """Storage only (no Spark): the newest completed checkpoint of the pipeline, or None."""
-    access = checkpoint_storage.checkpoint_storage().create_checkpoint_storage(job_id_for(PIPELINE))
+    storage = checkpoint_storage.checkpoint_storage()
+    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
     latest = access.latest_completed_checkpoint()
     return None if latest is None else latest.external_pointer
 
 
-@dg.op(
-    name="take_savepoint",
-    description="Write a self-contained savepoint of the latest completed checkpoint of "
-    "user_activity (executors write straight into the savepoint directory) and record it as "
-    "an observation of user_activity.",
-)
-def take_savepoint(
-    context: dg.OpExecutionContext,
-    config: SavepointConfig,
-    spark: SparkResource,
-    checkpoint_storage: CheckpointStorageResource,
-    lake: DataLakeResource,
-) -> None:
-    target = savepoint_target(checkpoint_storage, config)
-    source = config.restore_from or _latest_checkpoint_pointer(checkpoint_storage)
-    if source is None:  # before any Spark work
-        raise dg.Failure(
-            f"no completed checkpoint of {PIPELINE} in {checkpoint_storage.checkpoint_dir} to "
-            "take a savepoint of: materialize user_activity first"
-        )
-    runner = build_runner(spark, checkpoint_storage, lake)
-    summary = runner.take_savepoint(target, restore_from=config.restore_from)
-    kind = "scheduled" if config.scheduled else "hand-made"
-    context.log_event(
-        dg.AssetObservation(
-            PIPELINE,
-            description=f"{kind} savepoint of {source}",
-            metadata={
-                "savepoint_pointer": dg.MetadataValue.path(summary.pointer),
-                "savepoint_kind": kind,
-                "taken_from": dg.MetadataValue.path(source),
-                "checkpoint_id": summary.checkpoint_id,
-                "source_position": str(summary.position),
-                "source_partition": summary.position.partition,
-                "state_bytes": summary.state_bytes,
-                "state_size": format_size(summary.state_bytes),
-                "files_written": summary.files_written,
-                "inline_states": summary.inline_states,
-                **{f"state_rows_{name}": n for name, n in summary.state_rows.items()},
-            },
-        )
+def build_savepoint_job(pipeline: StatefulPipeline) -> dg.JobDefinition:
+    """``<pipeline>_savepoint_job``: one op that restores the latest completed checkpoint (or
+    ``restore_from``) on the executors, writes it into a fresh savepoint directory and records
+    it as an observation of the pipeline's state asset."""
+    name = pipeline.name
+
+    @dg.op(
+        name=f"{name}_take_savepoint",
+        description=f"Write a self-contained savepoint of the latest completed checkpoint of "
+        f"{name} (executors write straight into the savepoint directory) and record it as an "
+        f"observation of {name}.",
+        pool=pool_for(pipeline),
     )
-    context.log.info(
-        f"{kind} savepoint {summary.pointer} ({format_size(summary.state_bytes)}) holds the "
-        f"state at {summary.position}, from checkpoint {summary.checkpoint_id}"
+    def take_savepoint(
+        context: dg.OpExecutionContext,
+        config: SavepointConfig,
+        spark: SparkResource,
+        checkpoint_storage: CheckpointStorageResource,
+    ) -> None:
+        target = savepoint_target(checkpoint_storage, config)
+        source = config.restore_from or _latest_checkpoint_pointer(pipeline, checkpoint_storage)
+        if source is None:  # before any Spark work
+            raise dg.Failure(
+                f"no completed checkpoint of {name} in {checkpoint_storage.checkpoint_dir} to "
+                f"take a savepoint of: materialize {name} first"
+            )
+        runner = runner_for(pipeline, spark, checkpoint_storage)
+        summary = runner.take_savepoint(target, restore_from=config.restore_from)
+        kind = "scheduled" if config.scheduled else "hand-made"
+        context.log_event(
+            dg.AssetObservation(
+                name,
+                description=f"{kind} savepoint of {source}",
+                metadata={
+                    "savepoint_pointer": dg.MetadataValue.path(summary.pointer),
+                    "savepoint_kind": kind,
+                    "taken_from": dg.MetadataValue.path(source),
+                    "checkpoint_id": summary.checkpoint_id,
+                    "source_position": str(summary.position),
+                    "source_partition": summary.position.partition,
+                    "state_bytes": summary.state_bytes,
+                    "state_size": format_size(summary.state_bytes),
+                    "files_written": summary.files_written,
+                    "inline_states": summary.inline_states,
+                    **{f"state_rows_{stage}": n for stage, n in summary.state_rows.items()},
+                },
+            )
+        )
+        context.log.info(
+            f"{kind} savepoint {summary.pointer} ({format_size(summary.state_bytes)}) holds the "
+            f"state at {summary.position}, from checkpoint {summary.checkpoint_id}"
+        )
+
+    @dg.job(
+        name=f"{name}_savepoint_job",
+        description=f"Take a savepoint of {name}'s latest completed checkpoint. Launched by "
+        "the savepoint schedule (into <savepoint_dir>/scheduled) or by hand (into "
+        "<savepoint_dir>).",
+        tags={SAVEPOINT_KIND_TAG: "hand-made"},
     )
+    def savepoint_job():
+        take_savepoint()
+
+    return savepoint_job
 
 
-@dg.job(
-    name="savepoint_job",
-    description="Take a savepoint of user_activity's latest completed checkpoint. Launched by "
-    "the savepoint schedule (into <savepoint_dir>/scheduled) or by hand (into <savepoint_dir>).",
-    tags={SAVEPOINT_KIND_TAG: "hand-made"},
-)
-def savepoint_job():
-    take_savepoint()
-
-
-def savepoint_run_request(scheduled_time: dt.datetime) -> dg.RunRequest:
+def savepoint_run_request(
+    pipeline: StatefulPipeline, scheduled_time: dt.datetime
+) -> dg.RunRequest:
     """The run a tick at ``scheduled_time`` requests: one per scheduled time."""
     return dg.RunRequest(
         run_key=f"scheduled-savepoint-{scheduled_time.astimezone(dt.UTC).isoformat()}",
-        run_config={"ops": {"take_savepoint": {"config": {"scheduled": True}}}},
+        run_config={
+            "ops": {f"{pipeline.name}_take_savepoint": {"config": {"scheduled": True}}}
+        },
         tags={SAVEPOINT_KIND_TAG: "scheduled"},
     )
 
 
 def build_savepoint_schedule(
+    pipeline: StatefulPipeline,
+    job: dg.JobDefinition,
     cron_schedule: str | None = None,
     default_status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.RUNNING,
 ) -> dg.ScheduleDefinition:
-    """The savepoint schedule on ``cron_schedule`` (default: ``SAVEPOINT_CRON`` or daily)."""
+    """``<pipeline>_savepoint_schedule`` on ``cron_schedule`` (default: ``SAVEPOINT_CRON`` or
+    daily at 03:00 UTC)."""
     cron = cron_schedule or os.environ.get("SAVEPOINT_CRON") or DEFAULT_SAVEPOINT_CRON
+    name = pipeline.name
 
     @dg.schedule(
-        name="savepoint_schedule",
-        job=savepoint_job,
+        name=f"{name}_savepoint_schedule",
+        job=job,
         cron_schedule=cron,
         execution_timezone="UTC",
         default_status=default_status,
-        description=f"Take a savepoint of user_activity into <savepoint_dir>/scheduled on "
-        f"'{cron}' (UTC; SAVEPOINT_CRON). Skips while there is no completed checkpoint.",
+        description=f"Take a savepoint of {name} into <savepoint_dir>/scheduled on '{cron}' "
+        "(UTC; SAVEPOINT_CRON). Skips while there is no completed checkpoint.",
     )
     def savepoint_schedule(
         context: dg.ScheduleEvaluationContext, checkpoint_storage: CheckpointStorageResource
     ):
-        if _latest_checkpoint_pointer(checkpoint_storage) is None:
+        if _latest_checkpoint_pointer(pipeline, checkpoint_storage) is None:
             return dg.SkipReason(
-                f"no completed checkpoint of {PIPELINE} in {checkpoint_storage.checkpoint_dir} "
+                f"no completed checkpoint of {name} in {checkpoint_storage.checkpoint_dir} "
                 "yet: nothing to take a savepoint of"
             )
         scheduled = context.scheduled_execution_time or dt.datetime.now(dt.UTC)
-        return savepoint_run_request(scheduled)
+        return savepoint_run_request(pipeline, scheduled)
 
     return savepoint_schedule
-
-
-savepoint_schedule = build_savepoint_schedule()

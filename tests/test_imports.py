@@ -32,3 +32,55 @@ def test_checkpoint_storage_imports_neither_dagster_nor_pyspark():
 
     assert "checkpoint_storage" in modules
     assert [] == [m for m in modules if m.split(".")[0].startswith(("dagster", "pyspark"))]
+
+
+LAYERS = ("pipelines", "resources", "sensors")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import statement in a Python file, ``from x import y``
+    giving ``x`` and ``x.y``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _private(module: str, package: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == package and any(part.startswith("_") for part in parts[1:])
+
+
+def test_orchestration_layers_use_only_public_apis():
+    """pipelines/, resources/ and sensors/ import no private module of checkpoint_storage, of
+    dagster, or of each other (a user's code can do what they do)."""
+    offending = []
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for line, module in _imports(path):
+                packages = {"checkpoint_storage", "dagster", *LAYERS} - {layer}
+                if any(_private(module, package) for package in packages):
+                    offending.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+
+    assert [] == offending
+
+
+def test_the_import_check_sees_private_imports(tmp_path):
+    """The check above flags `from checkpoint_storage._x import y` and `dagster._core`."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from checkpoint_storage._filesystems import url_to_fs\n"
+        "import dagster._core.storage.tags\n"
+        "from checkpoint_storage import FileStateHandle\n"
+    )
+    flagged = [m for _, m in _imports(sample) if _private(m, "checkpoint_storage")
+               or _private(m, "dagster")]
+
+    assert ["checkpoint_storage._filesystems", "checkpoint_storage._filesystems.url_to_fs",
+            "dagster._core.storage.tags"] == flagged

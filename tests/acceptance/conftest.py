@@ -1,9 +1,10 @@
 """Fixtures for the acceptance tests: one real ``dagster dev`` (webserver + daemon) per test
 session, storing checkpoints and savepoints on moto's S3 server (``s3_server`` from
-tests/conftest.py, in this pytest process on 127.0.0.1), landing and reports in local temp
-dirs, and a temporary DAGSTER_HOME. Shared by the end-to-end test and the browser test, so
-that the browser sees the materializations the end-to-end test made; the browser test makes
-one itself when it runs alone.
+tests/conftest.py, in this pytest process on 127.0.0.1), the click events' landing and
+reports and the page views' data (``PAGE_VIEWS_DIR``) in local temp dirs, and a temporary
+DAGSTER_HOME. Shared by the end-to-end test and the browser test, so that the browser sees
+the materializations the end-to-end test made; the browser test makes one itself when it
+runs alone.
 """
 
 import json
@@ -17,6 +18,8 @@ from tests.acceptance.dagster_process import DagsterDev, start_dagster_dev, stop
 
 # The small input of the click_events generator for every run here.
 SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 200, "users": 20, "seed": 7}
+# The small input of each page_views hour (``pipelines.examples.page_views.land_hour``).
+SMALL_HOUR = {"batches": 2, "views_per_batch": 100, "users": 10, "pages": 5, "seed": 7}
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class PipelineEnv:
     storage_options: dict
     landing_dir: str
     report_dir: str
+    page_views_dir: str
     artifacts: Path
 
 
@@ -41,6 +45,7 @@ def pipeline_env(s3_server, tmp_path_factory) -> PipelineEnv:
         storage_options=s3_server.storage_options,
         landing_dir=str(data / "landing"),
         report_dir=str(data / "reports"),
+        page_views_dir=str(data / "page_views"),
         artifacts=tmp_path_factory.mktemp("dagster-dev"),
     )
 
@@ -54,8 +59,9 @@ def dagster_dev(pipeline_env: PipelineEnv):
         "CHECKPOINT_STORAGE_OPTIONS": json.dumps(pipeline_env.storage_options),
         "LANDING_DIR": pipeline_env.landing_dir,
         "REPORT_DIR": pipeline_env.report_dir,
+        "PAGE_VIEWS_DIR": pipeline_env.page_views_dir,
         "PIPELINE_DATA_DIR": str(pipeline_env.artifacts / "data"),
-        # The test seam in pipelines/assets.py: runs tagged test/fail_after_batch fail.
+        # The test seam in sensors/_assets.py: runs tagged test/fail_after_batch fail.
         "PIPELINE_FAULT_INJECTION": "1",
         # Credentials come from the environment (tests/conftest.py sets the test ones).
         "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"],

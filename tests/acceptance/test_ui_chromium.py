@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.assets import FIRST_PARTITION
+from pipelines.examples.click_events import FIRST_PARTITION
 from tests.acceptance.conftest import user_activity_config
 from tests.acceptance.dagster_process import DagsterDev, metadata
 
@@ -50,7 +50,7 @@ def materialized(dagster_dev: DagsterDev) -> dict:
     events = [e for e in dagster_dev.materializations() if "checkpoint_pointer" in metadata(e)]
     if not events:
         run_id = dagster_dev.launch_run(
-            "daily_pipeline", user_activity_config(), {"dagster/partition": FIRST_PARTITION}
+            "user_activity_job", user_activity_config(), {"dagster/partition": FIRST_PARTITION}
         )
         run = dagster_dev.wait_for_run(run_id, 300)
         assert "SUCCESS" == run["status"], dagster_dev.run_errors(run_id)

@@ -21,7 +21,9 @@ import zipfile
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SHIPPED_PACKAGES = ("checkpoint_storage", "pipelines")
+# The executors import ``pipelines`` (its sources, sinks and state I/O run there), which
+# imports ``resources`` (``refuse_credentials``).
+SHIPPED_PACKAGES = ("checkpoint_storage", "pipelines", "resources")
 ZIP_NAME = "cluster_project.zip"
 PARTITION = "2026-10-01"
 RESULT_PREFIX = "RESULT "
@@ -106,8 +108,10 @@ def _canonical(rows) -> dict:
 
 def _recompute(spark, landing: str) -> dict:
     """The stages' state after the day, computed directly without any checkpoint."""
-    from pipelines.events import batch_urls
-    from pipelines.stages import EVENT_SCHEMA, STAGES, empty_state
+    from pipelines import empty_state
+    from pipelines.examples.click_events import STAGES
+    from pipelines.examples.click_events.events import batch_urls
+    from pipelines.examples.click_events.stages import EVENT_SCHEMA
 
     states = {stage.name: empty_state(spark, stage) for stage in STAGES}
     for url in batch_urls(landing, PARTITION):
@@ -131,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     import cluster_driver
 
     from checkpoint_storage import FileSystemCheckpointStorage, collect_garbage
-    from pipelines.events import generate_day
-    from pipelines.runner import StatefulRunner
+    from pipelines import StatefulRunner
+    from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline, generate_day
     from resources import build_spark_session
 
     started = time.monotonic()
@@ -183,14 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         lap("probe")
         storage = FileSystemCheckpointStorage(str(checkpoints), file_state_size_threshold=0)
+        assert PARTITION == FIRST_PARTITION  # it starts from empty state
+        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=10)
         runner = StatefulRunner(
-            spark,
-            storage,
-            landing_dir=landing,
-            report_dir=reports,
-            first_partition=PARTITION,
-            checkpoint_interval=10,
-            task_after_write=cluster_driver.fail_first_attempt,
+            spark, storage, pipeline, task_after_write=cluster_driver.fail_first_attempt
         )
         (outcome,) = runner.run([PARTITION])
         lap("run")
@@ -228,9 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         result["files_after_gc"] = sorted(p.name for p in chk_dir.iterdir())
 
         # Restore in a fresh runner (as a new run would), after the collection.
-        fresh = StatefulRunner(
-            spark, storage, landing_dir=landing, report_dir=reports, first_partition=PARTITION
-        )
+        fresh = StatefulRunner(spark, storage, click_events_pipeline(landing, reports))
         restored_metadata = fresh.store.latest().metadata
         result["restored_checkpoint_id"] = restored_metadata.checkpoint_id
         restored = fresh.restore_states(restored_metadata)

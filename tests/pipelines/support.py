@@ -4,15 +4,16 @@ import datetime as dt
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
 
-from pipelines.assets import click_events, user_activity
-from pipelines.events import batch_urls
-from pipelines.stages import EVENT_SCHEMA, STAGES, empty_state
-from resources import CheckpointStorageResource, DataLakeResource, SparkResource
+from pipelines import StatefulPipeline, empty_state
+from pipelines.examples.click_events import STAGES, click_events_pipeline
+from pipelines.examples.click_events.events import batch_urls
+from pipelines.examples.click_events.stages import EVENT_SCHEMA
+from resources import CheckpointStorageResource, SparkResource
+from sensors import build_stateful_assets, pipeline_definitions
+
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 300, "users": 30, "seed": 1}
 
@@ -37,8 +38,10 @@ def state_rows(states: dict) -> dict[str, list[tuple]]:
 
 
 def apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
-    """Reference: the stages applied to every batch once, in order, without the runner or
-    checkpoints; returns the final state rows and the expected report rows of ``days``."""
+    """Reference: the click-events stages applied to every batch once, in order, without the
+    runner or checkpoints; returns the final state rows and the expected report rows of
+    ``days`` (the report's columns, then ``report_date`` as read back with partition
+    discovery)."""
     states = {stage.name: empty_state(spark, stage) for stage in STAGES}
     report = []
     for day in days:
@@ -55,6 +58,13 @@ def apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
     return state_rows(states), sorted(report)
 
 
+def click_pipeline(tmp_path: Path, **options) -> StatefulPipeline:
+    """The click-events pipeline landing in ``tmp_path/landing`` and reporting to
+    ``tmp_path/reports``; ``options`` go to ``click_events_pipeline``
+    (``checkpoint_interval``, ``max_retained_checkpoints``)."""
+    return click_events_pipeline(str(tmp_path / "landing"), str(tmp_path / "reports"), **options)
+
+
 def resources_for(
     tmp_path: Path,
     *,
@@ -62,7 +72,8 @@ def resources_for(
     storage: CheckpointStorageResource | None = None,
     **storage_options,
 ) -> dict:
-    """The code location's resources on tmp-dir storage and local[2] Spark."""
+    """The code location's resources (``spark``, ``checkpoint_storage``) on tmp-dir storage
+    and local[2] Spark; ``storage_options`` are CheckpointStorageResource fields."""
     return {
         "spark": spark_resource or SparkResource(master="local[2]"),
         "checkpoint_storage": storage
@@ -71,27 +82,40 @@ def resources_for(
             savepoint_dir=str(tmp_path / "savepoints"),
             **storage_options,
         ),
-        "lake": DataLakeResource(
-            landing_dir=str(tmp_path / "landing"), report_dir=str(tmp_path / "reports")
-        ),
     }
 
 
+def click_defs(tmp_path: Path, *, resources: dict | None = None, **options) -> dg.Definitions:
+    """The click-events pipeline's definitions (``click_pipeline(tmp_path, **options)``)
+    merged with ``resources`` (default: ``resources_for(tmp_path)``)."""
+    return dg.Definitions.merge(
+        pipeline_definitions(click_pipeline(tmp_path, **options)),
+        dg.Definitions(resources=resources or resources_for(tmp_path)),
+    )
+
+
 def materialize_range(
-    instance, resources, first: str, last: str, *, landing: dict = SMALL_LANDING, **config
+    instance,
+    resources,
+    first: str,
+    last: str,
+    *,
+    pipeline: StatefulPipeline,
+    landing: dict | None = SMALL_LANDING,
+    **config,
 ):
-    """Land and process ``first``..``last`` in one run (a single-run backfill); ``config`` is
-    the stateful asset's run config (restore_from, restore_mode)."""
+    """Land and process ``first``..``last`` in one run (a single-run backfill) of
+    ``[*pipeline.deps, stateful asset]``; ``landing`` is the run config of each of the
+    pipeline's deps (the click events' LandingConfig; None: no config), ``config`` the
+    stateful asset's (restore_from, restore_mode)."""
+    ops = {pipeline.name: {"config": config}}
+    if landing is not None:
+        ops |= {dep.op.name: {"config": landing} for dep in pipeline.deps}
     return dg.materialize(
-        [click_events, user_activity],
+        [*pipeline.deps, build_stateful_assets(pipeline)],
         instance=instance,
         resources=resources,
-        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
-        run_config={
-            "ops": {
-                "click_events": {"config": landing},
-                "user_activity": {"config": config},
-            }
-        },
+        tags={RANGE_START_TAG: first, RANGE_END_TAG: last},
+        run_config={"ops": ops},
         raise_on_error=False,
     )

@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from checkpoint_storage import FileSystemCheckpointStorage, StorageConfigurationError
-from pipelines.assets import checkpoint_integrity, click_events, user_activity
+from pipelines import SourcePosition
 from pipelines.definitions import defs
+from pipelines.examples import page_views
+from pipelines.examples.click_events import NAME
 from pipelines.main import next_partitions
-from pipelines.runner import SourcePosition
 from resources import CheckpointStorageResource
-from tests.pipelines.support import materialize_range, resources_for
+from tests.pipelines.support import click_defs, click_pipeline, materialize_range, resources_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,8 +27,16 @@ def test_code_location_loads():
     """Definitions.validate_loadable accepts the code location with every asset and job."""
     dg.Definitions.validate_loadable(defs)
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
-    assert {"click_events", "user_activity", "daily_report"} == keys
-    assert defs.resolve_job_def("daily_pipeline").partitions_def is not None
+    views = page_views.NAME
+    assert {
+        "click_events",
+        "user_activity",
+        "user_activity_daily_report",
+        views,
+        f"{views}_sessions",
+        f"{views}_page_counts",
+    } == keys
+    assert defs.resolve_job_def(f"{NAME}_job").partitions_def is not None
 
 
 def test_workspace_and_pyproject_name_the_same_location():
@@ -41,20 +50,15 @@ def test_workspace_and_pyproject_name_the_same_location():
     )
 
 
-def run_check(instance, resources):
-    result = dg.materialize(
-        [click_events, user_activity, checkpoint_integrity],
-        selection=dg.AssetSelection.checks(checkpoint_integrity),
-        instance=instance,
-        resources=resources,
-        raise_on_error=False,
-    )
+def run_check(instance, resources, tmp_path):
+    job = click_defs(tmp_path, resources=resources).resolve_job_def(f"{NAME}_integrity_job")
+    result = job.execute_in_process(instance=instance, raise_on_error=False)
     (evaluation,) = result.get_asset_check_evaluations()
     return evaluation
 
 
 def user_activity_metadata(instance) -> dict[str, dict]:
-    records = instance.fetch_materializations(dg.AssetKey("user_activity"), limit=100).records
+    records = instance.fetch_materializations(dg.AssetKey(NAME), limit=100).records
     return {
         r.asset_materialization.partition: {
             k: v.value for k, v in r.asset_materialization.metadata.items()
@@ -69,7 +73,9 @@ def materialized(spark, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("defs")
     resources = resources_for(tmp_path, file_state_size_threshold=1024)
     with dg.instance_for_test() as instance:
-        result = materialize_range(instance, resources, "2026-10-01", "2026-10-02")
+        result = materialize_range(
+            instance, resources, "2026-10-01", "2026-10-02", pipeline=click_pipeline(tmp_path)
+        )
         yield instance, resources, result, tmp_path
 
 
@@ -86,7 +92,7 @@ def test_materialization_records_checkpoint_metadata(materialized):
     assert first["checkpoint_id"] < second["checkpoint_id"]
     assert (tmp_path / "checkpoints").as_posix() in second["checkpoint_pointer"]
     assert "end of 2026-10-02" == second["source_position"]
-    assert 3 * 300 == second["rows_input"]
+    assert 3 * 300 == second["rows_source"]
     assert 3 == second["batches_applied"]
     assert second["state_bytes"] > 0
     assert second["files_written"] + second["inline_states"] >= 2
@@ -94,9 +100,11 @@ def test_materialization_records_checkpoint_metadata(materialized):
 
 
 def test_daily_report_materialized_per_partition(materialized):
-    """daily_report gets one materialization per processed day, pointing at its directory."""
+    """The daily report gets one materialization per processed day, pointing at its
+    directory."""
     instance, _, _, tmp_path = materialized
-    records = instance.fetch_materializations(dg.AssetKey("daily_report"), limit=10).records
+    key = dg.AssetKey(f"{NAME}_daily_report")
+    records = instance.fetch_materializations(key, limit=10).records
     paths = sorted(r.asset_materialization.metadata["path"].value for r in records)
     expected = [f"{tmp_path / 'reports'}/report_date=2026-10-0{d}" for d in (1, 2)]
     assert expected == paths
@@ -106,8 +114,8 @@ def test_daily_report_materialized_per_partition(materialized):
 def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):
     """The check passes on the latest checkpoint, and fails once one of its state files has
     a flipped byte."""
-    instance, resources, _, _ = materialized
-    assert run_check(instance, resources).passed
+    instance, resources, _, tmp_path = materialized
+    assert run_check(instance, resources, tmp_path).passed
     pointer = user_activity_metadata(instance)["2026-10-02"]["checkpoint_pointer"]
     state_files = sorted(p for p in Path(pointer).iterdir() if p.name != "_metadata")
     assert state_files, "the check needs at least one state file to corrupt"
@@ -116,7 +124,7 @@ def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     try:
-        evaluation = run_check(instance, resources)
+        evaluation = run_check(instance, resources, tmp_path)
         assert not evaluation.passed
         assert "corrupt" in (evaluation.description or "")
     finally:
@@ -127,12 +135,15 @@ def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):
 def test_checkpoint_integrity_fails_on_truncated_metadata(spark, tmp_path):
     """A truncated `_metadata` in the newest checkpoint fails the check and says so."""
     resources = resources_for(tmp_path)
+    pipeline = click_pipeline(tmp_path)
     with dg.instance_for_test() as instance:
-        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        assert materialize_range(
+            instance, resources, "2026-10-01", "2026-10-01", pipeline=pipeline
+        ).success
         pointer = user_activity_metadata(instance)["2026-10-01"]["checkpoint_pointer"]
         metadata_file = Path(pointer) / "_metadata"
         metadata_file.write_bytes(metadata_file.read_bytes()[:20])
-        evaluation = run_check(instance, resources)
+        evaluation = run_check(instance, resources, tmp_path)
     assert not evaluation.passed
     assert "invalid" in evaluation.description
 
@@ -141,11 +152,19 @@ def test_restore_from_a_snapshot_that_does_not_fit_fails_the_run(spark, tmp_path
     """restore_from naming a snapshot whose position does not fit the range fails the run
     with a message naming the snapshot and the state the range needs."""
     resources = resources_for(tmp_path)
+    pipeline = click_pipeline(tmp_path)
     with dg.instance_for_test() as instance:
-        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        assert materialize_range(
+            instance, resources, "2026-10-01", "2026-10-01", pipeline=pipeline
+        ).success
         pointer = user_activity_metadata(instance)["2026-10-01"]["checkpoint_pointer"]
         result = materialize_range(
-            instance, resources, "2026-10-05", "2026-10-05", restore_from=pointer
+            instance,
+            resources,
+            "2026-10-05",
+            "2026-10-05",
+            pipeline=pipeline,
+            restore_from=pointer,
         )
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
@@ -226,6 +245,6 @@ def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
     assert re.search(r"2026-10-02: checkpoint \d+ .* restored from \S+chk-\d+", second)
     assert "telemetry" in (tmp_path / "home" / "dagster.yaml").read_text()
     with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
-        runs = instance.get_runs(dg.RunsFilter(job_name="daily_pipeline"))
+        runs = instance.get_runs(dg.RunsFilter(job_name=f"{NAME}_job"))
         assert 2 == len(runs)
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)

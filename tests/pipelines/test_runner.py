@@ -23,30 +23,35 @@ from checkpoint_storage import (
     RelativeFileStateHandle,
     RestoreMode,
 )
-from pipelines.events import batch_urls, generate_day
-from pipelines.runner import (
+from pipelines import (
     MissingStateError,
     PartitionResult,
     SourcePosition,
     StatefulRunner,
+    empty_state,
     job_id_for,
 )
-from pipelines.stages import (
+from pipelines.examples.click_events import (
+    NAME,
+    STAGES,
+    click_events_pipeline,
+    generate_day,
+)
+from pipelines.examples.click_events.events import batch_urls
+from pipelines.examples.click_events.stages import (
     DEDUPE_STATE_SCHEMA,
     EVENT_SCHEMA,
-    STAGES,
     USER_ACTIVITY_STATE_SCHEMA,
-    empty_state,
 )
 from tests.pipelines.support import InjectedFault, NoSpark, apply_batch_by_batch, rows, state_rows
 
-D1, D2, D3, D4 = "2026-03-01", "2026-03-02", "2026-03-03", "2026-03-04"  # D4 landed empty
+D1, D2, D3, D4 = "2026-10-01", "2026-10-02", "2026-10-03", "2026-10-04"  # D4 landed empty
 DAYS = (D1, D2, D3)
 BATCHES = 3
 INTERVAL = 2  # a mid-partition checkpoint after batch 2 of 3
 INLINE = 1024 * 1024  # the largest threshold: every state here is inline
 FILES = 0  # every state goes to a file
-JOB = job_id_for("user_activity").hex
+JOB = job_id_for(NAME).hex
 
 
 def end_of(day: str) -> SourcePosition:
@@ -64,6 +69,7 @@ def make_runner(
     *,
     threshold: int = FILES,
     savepoints: Path | None = None,
+    max_retained: int = 10,
     **kwargs,
 ) -> StatefulRunner:
     storage = FileSystemCheckpointStorage(
@@ -71,16 +77,13 @@ def make_runner(
         str(savepoints or base / "sp"),
         file_state_size_threshold=threshold,
     )
-    kwargs.setdefault("checkpoint_interval", INTERVAL)
-    kwargs.setdefault("max_retained", 10)
-    return StatefulRunner(
-        spark,
-        storage,
-        landing_dir=landing,
-        report_dir=str(base / "report"),
-        first_partition=D1,
-        **kwargs,
+    pipeline = click_events_pipeline(
+        landing,
+        str(base / "report"),
+        checkpoint_interval=INTERVAL,
+        max_retained_checkpoints=max_retained,
     )
+    return StatefulRunner(spark, storage, pipeline, **kwargs)
 
 
 def restored_rows(runner: StatefulRunner, pointer: str, parallelism=None) -> dict:
@@ -472,7 +475,7 @@ def test_missing_previous_partition_fails_naming_it(landing, tmp_path):
     runner = make_runner(NoSpark(), tmp_path, landing)
     with pytest.raises(MissingStateError) as failure:
         runner.run([D3])
-    assert f"processing {D3} needs the state after {D2}" in str(failure.value)
+    assert f"processing {D3} of pipeline {NAME} needs the state after {D2}" in str(failure.value)
     assert f"materialize {D2} first" in str(failure.value)
 
 

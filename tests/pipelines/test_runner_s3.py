@@ -4,22 +4,35 @@ executors write and read state through the worker view at ``s3://bucket/...``.
 Landing and report directories stay local: Spark itself cannot read s3:// here.
 """
 
-
 import fsspec
 import pytest
 
 from checkpoint_storage import FileSystemCheckpointStorage, RelativeFileStateHandle
-from pipelines.events import batch_urls, generate_day
-from pipelines.runner import MissingStateError, SourcePosition, StatefulRunner, job_id_for
-from pipelines.stages import EVENT_SCHEMA, STAGES, empty_state
+from pipelines import (
+    FileSource,
+    MissingStateError,
+    SourcePosition,
+    StatefulRunner,
+    empty_state,
+    job_id_for,
+)
+from pipelines.examples.click_events import (
+    EVENT_ARROW_SCHEMA,
+    NAME,
+    STAGES,
+    click_events_pipeline,
+    generate_day,
+)
+from pipelines.examples.click_events.events import batch_urls
+from pipelines.examples.click_events.stages import EVENT_SCHEMA
 from tests.pipelines.support import InjectedFault, NoSpark, apply_batch_by_batch, rows
 
 pytestmark = pytest.mark.timeout(900)
 
-D1, D2 = "2026-03-01", "2026-03-02"
+D1, D2 = "2026-10-01", "2026-10-02"
 BATCHES = 3
 INTERVAL = 2
-JOB = job_id_for("user_activity").hex
+JOB = job_id_for(NAME).hex
 
 
 def make_runner(
@@ -31,16 +44,10 @@ def make_runner(
         file_state_size_threshold=0,
         storage_options=s3_server.storage_options,
     )
-    return StatefulRunner(
-        spark,
-        storage,
-        landing_dir=landing,
-        report_dir=str(local / "report"),
-        first_partition=D1,
-        checkpoint_interval=INTERVAL,
-        max_retained=10,
-        **kwargs,
+    pipeline = click_events_pipeline(
+        landing, str(local / "report"), checkpoint_interval=INTERVAL, max_retained_checkpoints=10
     )
+    return StatefulRunner(spark, storage, pipeline, **kwargs)
 
 
 def restored_rows(runner: StatefulRunner, pointer: str) -> dict:
@@ -82,14 +89,20 @@ def sample_states(spark, landing) -> dict:
 
 
 def test_empty_day_landed_on_s3_lists_no_batches(s3_server, s3_bucket):
-    """A day landed on S3 without batches lists no batch files, unlike a day that never
-    landed (an object store has no empty directories)."""
+    """A day landed on S3 without batches lists no batches, unlike a day that never landed
+    (an object store has no empty directories)."""
     options = s3_server.storage_options
     landing = f"s3://{s3_bucket}/landing"
     generate_day(landing, D1, batches=0, storage_options=options)
-    with pytest.raises(FileNotFoundError, match=f"no input landed for {D2}"):
-        batch_urls(landing, D2, options)
-    assert [] == batch_urls(landing, D1, options)
+    source = FileSource(
+        url=f"{landing}/date={{partition}}",
+        schema=EVENT_ARROW_SCHEMA,
+        suffix=".parquet",
+        storage_options=options,
+    )
+    with pytest.raises(FileNotFoundError, match=f"no input landed for partition {D2}"):
+        source.batches(NoSpark(), D2)
+    assert [] == source.batches(NoSpark(), D1)
 
 
 def test_checkpoint_on_s3_restores_the_written_rows(

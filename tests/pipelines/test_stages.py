@@ -6,14 +6,14 @@ from decimal import Decimal
 
 import pytest
 
-from pipelines.stages import (
+from pipelines import empty_state
+from pipelines.examples.click_events.stages import (
     DEDUPE_RETENTION,
     DEDUPE_STATE_SCHEMA,
     EVENT_SCHEMA,
     STAGES,
     USER_ACTIVITY_STATE_SCHEMA,
     dedupe,
-    empty_state,
     user_activity,
 )
 

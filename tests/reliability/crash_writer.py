@@ -147,7 +147,8 @@ def _project_zip(target: Path) -> Path:
     import zipfile
 
     with zipfile.ZipFile(target, "w") as zf:
-        for package in ("checkpoint_storage", "pipelines"):
+        # ``pipelines`` imports ``resources`` (``refuse_credentials``) on the executors too.
+        for package in ("checkpoint_storage", "pipelines", "resources"):
             for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
                 zf.write(path, path.relative_to(PROJECT_ROOT).as_posix())
     return target
@@ -207,8 +208,8 @@ class KillingStorage(FileSystemCheckpointStorage):
 
 
 def run_spark(args) -> None:
-    from pipelines.events import generate_day
-    from pipelines.runner import StatefulRunner
+    from pipelines import StatefulRunner
+    from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline, generate_day
     from resources import build_spark_session
 
     work = Path(args.work_dir)
@@ -257,15 +258,9 @@ def run_spark(args) -> None:
         else:
             storage = KillingStorage(str(work / "checkpoints"), file_state_size_threshold=0)
             hook = kill_after_write
-        runner = StatefulRunner(
-            spark,
-            storage,
-            landing_dir=landing,
-            report_dir=reports,
-            first_partition=SPARK_PARTITION,
-            checkpoint_interval=1,
-            task_after_write=hook,
-        )
+        assert SPARK_PARTITION == FIRST_PARTITION  # it starts from empty state
+        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=1)
+        runner = StatefulRunner(spark, storage, pipeline, task_after_write=hook)
         (outcome,) = runner.run([SPARK_PARTITION])
         result = {
             "checkpoint_dir": str(work / "checkpoints"),

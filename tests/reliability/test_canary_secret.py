@@ -11,7 +11,7 @@ import pytest
 from checkpoint_storage import FileSystemCheckpointStorage
 from resources import CheckpointStorageResource
 from tests.pipelines.conftest import spark  # noqa: F401 - the session-scoped Spark fixture
-from tests.pipelines.support import materialize_range, resources_for
+from tests.pipelines.support import click_pipeline, materialize_range, resources_for
 from tests.reliability.proxy import FaultProxy
 from tests.reliability.scenarios_net import (
     CANARY_VARIABLE,
@@ -81,7 +81,9 @@ def test_canary_stays_out_of_dagster_events_and_shipped_tasks(spark, tmp_path, c
     resources = resources_for(tmp_path, storage=storage)
 
     with dg.instance_for_test() as instance, caplog.at_level(logging.DEBUG, "checkpoint_storage"):
-        result = materialize_range(instance, resources, "2026-10-01", "2026-10-01")
+        result = materialize_range(
+            instance, resources, "2026-10-01", "2026-10-01", pipeline=click_pipeline(tmp_path)
+        )
         events = instance.all_logs(result.run_id)
         serialized = [dg.serialize_value(event) for event in events]
 

@@ -4,7 +4,6 @@ that only need storage in a known shape."""
 
 import os
 import time
-from functools import partial
 from pathlib import Path
 
 from checkpoint_storage import (
@@ -13,7 +12,8 @@ from checkpoint_storage import (
     OperatorState,
     OperatorSubtaskState,
 )
-from pipelines.runner import POSITION_STATE, SourcePosition, job_id_for
+from pipelines import POSITION_STATE, SourcePosition, StatefulPipeline, job_id_for
+from pipelines.examples.click_events import NAME, click_events_pipeline
 from resources import CheckpointStorageResource
 from tests.pipelines import support
 from tests.pipelines.conftest import spark  # noqa: F401  (the session-scoped real Spark)
@@ -21,6 +21,16 @@ from tests.support import finalize, payload, write_state
 
 SMALL_LANDING = {"batches_per_day": 2, "events_per_batch": 200, "users": 20, "seed": 3}
 STATE_BYTES = 2048  # above the threshold below: each snapshot has one state file
+# Dagster's run tags, as the strings Dagster documents (no private imports).
+PARTITION_NAME_TAG = "dagster/partition"
+ASSET_PARTITION_RANGE_START_TAG = "dagster/asset_partition_range_start"
+ASSET_PARTITION_RANGE_END_TAG = "dagster/asset_partition_range_end"
+
+
+def unused_click_pipeline(**options) -> StatefulPipeline:
+    """The click-events pipeline (``user_activity``) for tests that run no Spark: its landing
+    and report directories are never read; ``options`` go to ``click_events_pipeline``."""
+    return click_events_pipeline("/nonexistent/landing", "/nonexistent/reports", **options)
 
 
 def storage_resource(tmp_path: Path, **options) -> CheckpointStorageResource:
@@ -38,11 +48,15 @@ def resources_for(tmp_path: Path, spark_resource=None, **storage) -> dict:
     )
 
 
-materialize_range = partial(support.materialize_range, landing=SMALL_LANDING)
+def materialize_range(instance, resources, first: str, last: str, *, pipeline, **config):
+    """``support.materialize_range`` of ``pipeline`` with this suite's small landing."""
+    return support.materialize_range(
+        instance, resources, first, last, pipeline=pipeline, landing=SMALL_LANDING, **config
+    )
 
 
 def pipeline_access(resource: CheckpointStorageResource):
-    access = resource.checkpoint_storage().create_checkpoint_storage(job_id_for("user_activity"))
+    access = resource.checkpoint_storage().create_checkpoint_storage(job_id_for(NAME))
     access.initialize_base_locations()
     return access
 

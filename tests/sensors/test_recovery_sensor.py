@@ -6,21 +6,27 @@ import uuid
 
 import dagster as dg
 import pytest
+
+# No public constructor for a run's materialization event without a step context.
 from dagster._core.events import StepMaterializationData
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-    PARTITION_NAME_TAG,
-)
 
 from sensors import (
     RECOVERY_ATTEMPT_TAG,
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
+    pipeline_definitions,
 )
-from tests.sensors.conftest import SMALL_LANDING
+from tests.sensors.conftest import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    PARTITION_NAME_TAG,
+    SMALL_LANDING,
+    unused_click_pipeline,
+)
 
+PIPELINE = unused_click_pipeline()
+JOB = f"{PIPELINE.name}_job"
 RANGE = {ASSET_PARTITION_RANGE_START_TAG: "2026-10-01", ASSET_PARTITION_RANGE_END_TAG: "2026-10-03"}
 SAVEPOINT = "/data/savepoints/savepoint-2b2376-000000000001"
 CONFIG = {
@@ -32,10 +38,10 @@ CONFIG = {
 
 
 def failed_run(instance, tags, completed=(), run_config=CONFIG) -> dg.DagsterRun:
-    """A daily_pipeline run that materialized ``completed`` partitions, then failed."""
+    """A user_activity_job run that materialized ``completed`` partitions, then failed."""
     run = instance.add_run(
         dg.DagsterRun(
-            job_name="daily_pipeline", run_id=str(uuid.uuid4()), tags=tags, run_config=run_config,
+            job_name=JOB, run_id=str(uuid.uuid4()), tags=tags, run_config=run_config,
             status=dg.DagsterRunStatus.STARTED,
         )
     )  # fmt: skip
@@ -52,6 +58,11 @@ def failed_run(instance, tags, completed=(), run_config=CONFIG) -> dg.DagsterRun
         )
     instance.report_run_failed(run, "boom")
     return instance.get_run_by_id(run.run_id)
+
+
+def recovery_sensor(max_attempts: int) -> dg.SensorDefinition:
+    (job,) = [j for j in pipeline_definitions(PIPELINE).jobs if JOB == j.name]
+    return build_recovery_sensor(PIPELINE, job, max_attempts)
 
 
 def evaluate(sensor, instance, run):
@@ -71,7 +82,7 @@ def test_failed_range_run_is_recovered_from_its_first_unfinished_partition():
     and without its restore_from (its own checkpoints continue it)."""
     with dg.instance_for_test() as instance:
         run = failed_run(instance, RANGE, completed=["2026-10-01"])
-        request = evaluate(build_recovery_sensor(3), instance, run)
+        request = evaluate(recovery_sensor(3), instance, run)
     assert isinstance(request, dg.RunRequest)
     assert run.run_id == request.run_key
     assert {
@@ -91,22 +102,20 @@ def test_failed_run_that_completed_nothing_keeps_its_restore_from():
     over that partition with the same run config (its restore_from still applies)."""
     with dg.instance_for_test() as instance:
         run = failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
-        request = evaluate(build_recovery_sensor(3), instance, run)
+        request = evaluate(recovery_sensor(3), instance, run)
     assert ("2026-10-02", CONFIG) == (request.partition_key, request.run_config)
 
 
 def test_a_failed_run_is_recovered_once():
     """Evaluating the same failure twice gives the same run key (the daemon launches it
     once); once the recovery run exists, the failure is skipped."""
-    sensor = build_recovery_sensor(3)
+    sensor = recovery_sensor(3)
     with dg.instance_for_test() as instance:
         run = failed_run(instance, RANGE)
         first, second = evaluate(sensor, instance, run), evaluate(sensor, instance, run)
         assert first.run_key == second.run_key == run.run_id
         instance.add_run(
-            dg.DagsterRun(
-                job_name="daily_pipeline", run_id=str(uuid.uuid4()), tags=dict(first.tags)
-            )
+            dg.DagsterRun(job_name=JOB, run_id=str(uuid.uuid4()), tags=dict(first.tags))
         )
         third = evaluate(sensor, instance, run)
     assert isinstance(third, dg.SkipReason)
@@ -123,7 +132,7 @@ def test_recovery_stops_after_the_attempt_bound(attempt, recovers):
             instance,
             RANGE | {RECOVERY_ROOT_TAG: root, RECOVERY_ATTEMPT_TAG: str(attempt)},
         )
-        decision = evaluate(build_recovery_sensor(3), instance, run)
+        decision = evaluate(recovery_sensor(3), instance, run)
     assert recovers == isinstance(decision, dg.RunRequest)
     if recovers:
         assert (root, str(attempt + 1)) == (
@@ -142,6 +151,6 @@ def test_run_retries_take_precedence_while_they_last():
     with dg.instance_for_test(overrides=overrides) as instance:
         first = failed_run(instance, RANGE)
         retried = failed_run(instance, RANGE | {"dagster/retry_number": "1"})
-        decisions = [evaluate(build_recovery_sensor(3), instance, r) for r in (first, retried)]
+        decisions = [evaluate(recovery_sensor(3), instance, r) for r in (first, retried)]
     assert [dg.SkipReason, dg.RunRequest] == [type(d) for d in decisions]
     assert "Dagster's run retries will retry it" in decisions[0].skip_message

@@ -5,8 +5,9 @@ from functools import cached_property
 
 import dagster as dg
 
-from pipelines.runner import SourcePosition
+from pipelines import SourcePosition
 from resources import SparkResource
+from tests.pipelines.support import click_pipeline
 from tests.sensors.conftest import materialize_range, pipeline_access, resources_for
 from tests.sensors.conftest import write_snapshot as snapshot
 
@@ -34,8 +35,9 @@ def test_restore_from_that_does_not_exist_fails_before_spark(tmp_path):
     missing = str(tmp_path / "savepoints" / "savepoint-2b2376-000000000000")
     with dg.instance_for_test() as instance:
         result = materialize_range(
-            instance, resources, "2026-10-02", "2026-10-03", restore_from=missing
-        )
+            instance, resources, "2026-10-02", "2026-10-03",
+            pipeline=click_pipeline(tmp_path), restore_from=missing,
+        )  # fmt: skip
     message = failure_message(result)
     assert not result.success
     expected = f"pipelines.runner.MissingStateError: restore_from {missing} does not exist"
@@ -53,8 +55,9 @@ def test_restore_from_that_does_not_fit_fails_before_spark(tmp_path):
     )
     with dg.instance_for_test() as instance:
         result = materialize_range(
-            instance, resources, "2026-10-05", "2026-10-06", restore_from=pointer
-        )
+            instance, resources, "2026-10-05", "2026-10-06",
+            pipeline=click_pipeline(tmp_path), restore_from=pointer,
+        )  # fmt: skip
     assert (
         f"pipelines.runner.MissingStateError: {pointer} holds the state at end of 2026-10-01, "
         "but processing 2026-10-05 starts from the end of 2026-10-04 (or from within "
@@ -72,6 +75,7 @@ def test_restore_from_that_fits_gets_as_far_as_spark(tmp_path):
     )
     with dg.instance_for_test() as instance:
         result = materialize_range(
-            instance, resources, "2026-10-02", "2026-10-02", restore_from=pointer
-        )
+            instance, resources, "2026-10-02", "2026-10-02",
+            pipeline=click_pipeline(tmp_path), restore_from=pointer,
+        )  # fmt: skip
     assert f"AssertionError: {SPARK_GUARD}" == failure_message(result)

@@ -11,15 +11,26 @@ import dagster as dg
 import pytest
 
 import sensors.retention
-from pipelines.runner import SourcePosition
+from pipelines import SourcePosition
 from sensors import RetentionPolicy, build_retention_sensor
-from tests.sensors.conftest import age, files_below, pipeline_access, storage_resource
+from tests.sensors.conftest import (
+    age,
+    files_below,
+    pipeline_access,
+    storage_resource,
+    unused_click_pipeline,
+)
 from tests.sensors.conftest import write_snapshot as snapshot
 from tests.support import payload, write_state
 
 HOUR = 3600.0
 DAY = 24 * HOUR
 POLICY = RetentionPolicy(dt.timedelta(hours=1), keep_scheduled_savepoints=2)
+PIPELINE = unused_click_pipeline(max_retained_checkpoints=2)
+
+
+def retention_sensor(policy: RetentionPolicy) -> dg.SensorDefinition:
+    return build_retention_sensor(PIPELINE, policy)
 
 
 def end_of(day: int) -> SourcePosition:
@@ -32,7 +43,7 @@ class Prepared:
 
     def __init__(self, tmp_path: Path) -> None:
         self.root = tmp_path
-        self.resource = storage_resource(tmp_path, max_retained_checkpoints=2)
+        self.resource = storage_resource(tmp_path)
         access = pipeline_access(self.resource)
         self.job = Path(access.checkpoints_directory)
         self.chk = {i: snapshot(access, i, end_of(i), age_s=(6 - i) * HOUR) for i in range(1, 6)}
@@ -107,7 +118,7 @@ def test_retention_deletes_exactly_the_expired_and_keeps_the_rest(tmp_path):
         prepared.chk[1], prepared.chk[2], prepared.chk[3], prepared.orphan_old,
         prepared.shared_old, prepared.aborted_old, prepared.scheduled[1],
     )  # fmt: skip
-    sensor = build_retention_sensor(POLICY)
+    sensor = retention_sensor(POLICY)
     with dg.instance_for_test() as instance:
         record_lineage(instance, prepared)
         result = evaluate(sensor, instance, prepared.resource)
@@ -127,7 +138,7 @@ def test_second_tick_deletes_nothing_and_skips(tmp_path):
     """Retention is idempotent: a second tick with the first tick's cursor deletes nothing,
     skips with a reason, and keeps the running total."""
     prepared = Prepared(tmp_path)
-    sensor = build_retention_sensor(POLICY)
+    sensor = retention_sensor(POLICY)
     with dg.instance_for_test() as instance:
         record_lineage(instance, prepared)
         first = evaluate(sensor, instance, prepared.resource)
@@ -145,13 +156,13 @@ def test_without_lineage_the_old_scheduled_savepoints_go_and_hand_made_stay(tmp_
     only the newest of them stays."""
     prepared = Prepared(tmp_path)
     with dg.instance_for_test() as instance:
-        evaluate(build_retention_sensor(POLICY), instance, prepared.resource)
+        evaluate(retention_sensor(POLICY), instance, prepared.resource)
         remaining = prepared.files()
         assert prepared.rel(*prepared.scheduled[2:], *prepared.hand_made) == {
             f for f in remaining if f.startswith("savepoints/")
         }
         keep_one = RetentionPolicy(dt.timedelta(hours=1), 2, keep_hand_made_savepoints=1)
-        evaluate(build_retention_sensor(keep_one), instance, prepared.resource)
+        evaluate(retention_sensor(keep_one), instance, prepared.resource)
     assert prepared.rel(*prepared.scheduled[2:], prepared.hand_made[1]) == {
         f for f in prepared.files() if f.startswith("savepoints/")
     }
@@ -164,11 +175,11 @@ def test_work_in_progress_defers_checkpoint_and_savepoint_retention(tmp_path):
     with dg.instance_for_test() as instance:
         run = instance.add_run(
             dg.DagsterRun(
-                job_name="daily_pipeline", run_id=str(uuid.uuid4()),
+                job_name="user_activity_job", run_id=str(uuid.uuid4()),
                 status=dg.DagsterRunStatus.STARTED,
             )
         )  # fmt: skip
-        result = evaluate(build_retention_sensor(POLICY), instance, prepared.resource)
+        result = evaluate(retention_sensor(POLICY), instance, prepared.resource)
     (observation,) = result.asset_events
     meta = {k: v.value for k, v in observation.metadata.items()}
     assert ([], [], 3) == (
@@ -190,7 +201,7 @@ def test_an_io_error_fails_the_tick(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sensors.retention, "dispose_savepoint", denied)
     with dg.instance_for_test() as instance, pytest.raises(Exception) as raised:
-        evaluate(build_retention_sensor(POLICY), instance, prepared.resource)
+        evaluate(retention_sensor(POLICY), instance, prepared.resource)
     chain, error = [], raised.value
     while error is not None:
         chain.append(type(error))

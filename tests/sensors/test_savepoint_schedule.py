@@ -9,17 +9,22 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from pipelines.runner import SourcePosition
-from sensors import SAVEPOINT_KIND_TAG, savepoint_job, savepoint_schedule
+from pipelines import SourcePosition
+from sensors import SAVEPOINT_KIND_TAG, build_savepoint_job, pipeline_definitions
+from tests.pipelines.support import click_pipeline
 from tests.sensors.conftest import (
     materialize_range,
     pipeline_access,
     resources_for,
     storage_resource,
+    unused_click_pipeline,
 )
 from tests.sensors.conftest import write_snapshot as snapshot
 
 TICK = dt.datetime(2026, 10, 2, 3, 0, tzinfo=dt.UTC)
+TAKE_SAVEPOINT = "user_activity_take_savepoint"
+PIPELINES = ("user_activity", "page_views")  # the code location's
+(savepoint_schedule,) = pipeline_definitions(unused_click_pipeline()).schedules
 
 
 def evaluate_schedule(instance, resource, when=TICK):
@@ -41,7 +46,7 @@ def test_schedule_requests_one_scheduled_savepoint_per_tick(tmp_path):
         (later,) = evaluate_schedule(instance, resource, TICK + dt.timedelta(days=1)).run_requests
     assert "scheduled-savepoint-2026-10-02T03:00:00+00:00" == first.run_key == again.run_key
     assert "scheduled-savepoint-2026-10-03T03:00:00+00:00" == later.run_key
-    assert {"ops": {"take_savepoint": {"config": {"scheduled": True}}}} == first.run_config
+    assert {"ops": {TAKE_SAVEPOINT: {"config": {"scheduled": True}}}} == first.run_config
     assert "scheduled" == first.tags[SAVEPOINT_KIND_TAG]
 
 
@@ -63,8 +68,8 @@ def test_schedule_is_daily_by_default_and_running():
 
 
 def test_code_location_registers_the_schedule_and_sensors_running():
-    """The code location holds the savepoint job and schedule, the retention and recovery
-    sensors, each starting RUNNING, and still validates."""
+    """The code location holds each pipeline's savepoint job and schedule, retention and
+    recovery sensors, each starting RUNNING, and still validates."""
     from pipelines.definitions import defs
 
     with dg.instance_for_test():  # Dagster resolves definitions against a live instance
@@ -74,11 +79,12 @@ def test_code_location_registers_the_schedule_and_sensors_running():
             s.name: s.default_status.value
             for s in [*repository.schedule_defs, *repository.sensor_defs]
         }
-        assert repository.has_job("savepoint_job")
+        jobs = {name: repository.has_job(f"{name}_savepoint_job") for name in PIPELINES}
+    assert {name: True for name in PIPELINES} == jobs
     assert {
-        "savepoint_schedule": "RUNNING",
-        "checkpoint_retention_sensor": "RUNNING",
-        "daily_pipeline_recovery_sensor": "RUNNING",
+        f"{name}_{automation}": "RUNNING"
+        for name in PIPELINES
+        for automation in ("savepoint_schedule", "retention_sensor", "recovery_sensor")
     } == statuses
 
 
@@ -107,22 +113,26 @@ def savepointed(spark, tmp_path_factory):
     """One day materialized, then a scheduled and a hand-made savepoint of it."""
     tmp_path = tmp_path_factory.mktemp("savepoints")
     resources = resources_for(tmp_path)
+    pipeline = click_pipeline(tmp_path)
+    savepoint_job = build_savepoint_job(pipeline)
     with dg.instance_for_test() as instance:
-        assert materialize_range(instance, resources, "2026-10-01", "2026-10-01").success
+        assert materialize_range(
+            instance, resources, "2026-10-01", "2026-10-01", pipeline=pipeline
+        ).success
         scheduled = savepoint_job.execute_in_process(
             instance=instance,
             resources=resources,
-            run_config={"ops": {"take_savepoint": {"config": {"scheduled": True}}}},
+            run_config={"ops": {TAKE_SAVEPOINT: {"config": {"scheduled": True}}}},
             tags={SAVEPOINT_KIND_TAG: "scheduled"},
         )
         by_hand = savepoint_job.execute_in_process(instance=instance, resources=resources)
-        yield instance, resources, tmp_path, (scheduled, by_hand)
+        yield instance, resources, tmp_path, pipeline, (scheduled, by_hand)
 
 
 def test_savepoint_job_writes_the_savepoint_and_records_it(savepointed):
     """The scheduled run writes a self-contained savepoint into savepoints/scheduled holding
     the latest checkpoint's state, and records pointer, size, position and checkpoint id."""
-    instance, resources, tmp_path, (run, _) = savepointed
+    instance, resources, tmp_path, _, (run, _) = savepointed
     assert run.success
     checkpoint = user_activity_metadata(instance)["2026-10-01"]
     (directory,) = (tmp_path / "savepoints" / "scheduled").iterdir()
@@ -149,7 +159,7 @@ def test_savepoint_job_writes_the_savepoint_and_records_it(savepointed):
 
 def test_savepoint_made_by_hand_goes_to_the_savepoint_directory(savepointed):
     """The job launched without config writes into savepoints/ itself, not scheduled/."""
-    instance, _, tmp_path, (_, run) = savepointed
+    instance, _, tmp_path, _, (_, run) = savepointed
     assert run.success
     observed = observations(instance)[1]
     assert ("hand-made", tmp_path / "savepoints") == (
@@ -162,12 +172,12 @@ def test_backfill_from_the_savepoint_leaves_checkpoints_later_runs_continue(save
     """A backfill of 10-02..10-03 restoring from the scheduled savepoint succeeds in one run,
     starts from the savepoint, and the next regular run (10-04) continues from the
     checkpoint the backfill left."""
-    instance, resources, _, _ = savepointed
+    instance, resources, _, pipeline, _ = savepointed
     pointer = observations(instance)[0]["savepoint_pointer"]
     backfill = materialize_range(
-        instance, resources, "2026-10-02", "2026-10-03", restore_from=pointer
+        instance, resources, "2026-10-02", "2026-10-03", pipeline=pipeline, restore_from=pointer
     )
-    regular = materialize_range(instance, resources, "2026-10-04", "2026-10-04")
+    regular = materialize_range(instance, resources, "2026-10-04", "2026-10-04", pipeline=pipeline)
     meta = user_activity_metadata(instance)
     assert (True, True) == (backfill.success, regular.success)
     assert pointer == meta["2026-10-02"]["restored_from"]

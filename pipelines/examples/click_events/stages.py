@@ -1,4 +1,4 @@
-"""The example pipeline's stages: plain PySpark functions ``(state, input) -> (new state,
+"""The click-events example's stages: plain PySpark functions ``(state, input) -> (new state,
 output)``, testable without Dagster or checkpoints.
 
 - ``dedupe``: state = the ids of events seen within ``DEDUPE_RETENTION`` of the watermark
@@ -12,12 +12,12 @@ uninterrupted one agree to the cent.
 """
 
 import datetime as dt
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+
+from pipelines import Stage
 
 __all__ = [
     "DEDUPE_RETENTION",
@@ -25,9 +25,7 @@ __all__ = [
     "EVENT_SCHEMA",
     "STAGES",
     "USER_ACTIVITY_STATE_SCHEMA",
-    "Stage",
     "dedupe",
-    "empty_state",
     "user_activity",
 ]
 
@@ -55,20 +53,6 @@ USER_ACTIVITY_STATE_SCHEMA = T.StructType(
     ]
 )
 DEDUPE_RETENTION = dt.timedelta(days=2)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A named stateful step. ``apply(state, input) -> (new_state, output)``; the new state
-    has ``state_schema``."""
-
-    name: str
-    state_schema: T.StructType
-    apply: Callable[[DataFrame, DataFrame], tuple[DataFrame, DataFrame]]
-
-
-def empty_state(spark: SparkSession, stage: Stage) -> DataFrame:
-    return spark.createDataFrame([], stage.state_schema)
 
 
 def dedupe(

@@ -1,0 +1,201 @@
+"""The pipeline spec: what a stateful pipeline is, independent of how it runs.
+
+A ``StatefulPipeline`` names its stages, its source, its partitions, its sinks, how often it
+checkpoints and how many checkpoints it keeps. The runner executes it; the Dagster factory
+(``sensors.pipeline_definitions``) turns it into assets, checks, jobs, schedules and sensors.
+"""
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import dagster as dg
+from pyspark.sql import DataFrame
+from pyspark.sql import types as T
+
+from pipelines._sinks import Sink
+from pipelines._sources import Source
+
+__all__ = ["SOURCE", "PartitionOrder", "Stage", "StatefulPipeline"]
+
+SOURCE = "source"
+"""The name a stage's ``input`` gives to the pipeline's source."""
+
+_NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
+_STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stateful step over DataFrames: ``apply(state, input) -> (new_state, output)``, where
+    the new state has ``state_schema``. Its state is small enough to snapshot whole at every
+    checkpoint (Flink's operator state).
+
+    ``input`` names what the stage reads: ``SOURCE`` (the pipeline's source batches) or an
+    earlier stage's name (that stage's output). ``None``: the previous stage's output, or the
+    source for the first stage.
+    """
+
+    name: str
+    state_schema: T.StructType
+    apply: Callable[[DataFrame, DataFrame], tuple[DataFrame, DataFrame]]
+    input: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _STAGE_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"stage name {self.name!r}: use letters, digits and '_' (it names state files "
+                "and metadata), starting with a letter"
+            )
+        if self.name == SOURCE:
+            raise ValueError(f"a stage cannot be called {SOURCE!r}: that names the source")
+        if not isinstance(self.state_schema, T.StructType):
+            raise TypeError(f"stage {self.name}: state_schema must be a pyspark StructType")
+        if not callable(self.apply):
+            raise TypeError(f"stage {self.name}: apply must be callable")
+
+
+class PartitionOrder:
+    """The order of a pipeline's partition keys: which key comes before which. Time windows
+    (hourly, daily, weekly, ...) in time order; static partitions in the declared order."""
+
+    def __init__(self, partitions: dg.PartitionsDefinition) -> None:
+        if isinstance(partitions, dg.TimeWindowPartitionsDefinition):
+            self._static: list[str] | None = None
+        elif isinstance(partitions, dg.StaticPartitionsDefinition):
+            self._static = list(partitions.get_partition_keys())
+        else:
+            raise TypeError(
+                "partitions must be time-window partitions (hourly, daily, weekly, monthly, "
+                f"cron) or static partitions, got {type(partitions).__name__}"
+            )
+        self.partitions = partitions
+
+    def check(self, key: str) -> str:
+        """``key`` if it is one of the pipeline's partitions, else a ValueError."""
+        if self._static is not None:
+            if key not in self._static:
+                raise ValueError(f"{key!r} is not a partition of this pipeline: {self._static}")
+            return key
+        try:
+            self.partitions.time_window_for_partition_key(key)
+        except Exception as exc:  # Dagster raises several kinds for a key it cannot parse
+            raise ValueError(f"{key!r} is not a partition key of this pipeline: {exc}") from exc
+        return key
+
+    @property
+    def first(self) -> str:
+        return self.partitions.get_first_partition_key()
+
+    def previous(self, key: str) -> str | None:
+        """The partition before ``key``; None for the first."""
+        self.check(key)
+        if self._static is not None:
+            index = self._static.index(key)
+            return self._static[index - 1] if index else None
+        if key == self.first:
+            return None
+        window = self.partitions.time_window_for_partition_key(key)
+        previous = self.partitions.get_prev_partition_window(window.start)
+        if previous is None:
+            return None
+        return self.partitions.get_partition_key_for_timestamp(previous.start.timestamp())
+
+    def following(self, key: str) -> str | None:
+        """The partition after ``key`` (it may not have ended yet); None after the last."""
+        self.check(key)
+        if self._static is not None:
+            index = self._static.index(key)
+            return self._static[index + 1] if index + 1 < len(self._static) else None
+        window = self.partitions.time_window_for_partition_key(key)
+        return self.partitions.get_partition_key_for_timestamp(window.end.timestamp())
+
+    def check_consecutive(self, keys: Sequence[str]) -> list[str]:
+        keys = [self.check(k) for k in keys]
+        for before, after in zip(keys, keys[1:], strict=False):
+            if self.previous(after) != before:
+                raise ValueError(
+                    f"partitions must be consecutive, in order: {after} does not follow {before}"
+                )
+        return keys
+
+
+@dataclass(frozen=True)
+class StatefulPipeline:
+    """A stateful pipeline: ``source`` batches flow through ``stages`` partition by partition;
+    state is checkpointed every ``checkpoint_interval`` batches and at the end of each
+    partition; ``max_retained_checkpoints`` completed checkpoints are kept; ``sinks`` write
+    stage outputs (or state) per partition, idempotently.
+
+    ``name`` is stable and readable (lowercase letters, digits, ``_``): the job id (and so the
+    checkpoint directory) derives from it, every `_metadata` records it, and every Dagster
+    name of the pipeline starts with it. ``deps``: upstream Dagster assets (e.g. the asset
+    that lands the source's files), run before the pipeline in its job.
+    """
+
+    name: str
+    stages: Sequence[Stage]
+    source: Source
+    partitions: dg.PartitionsDefinition
+    sinks: Sequence[Sink] = ()
+    checkpoint_interval: int = 2
+    max_retained_checkpoints: int = 3
+    description: str | None = None
+    deps: Sequence[dg.AssetsDefinition] = ()
+    order: PartitionOrder = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"pipeline name {self.name!r}: use lowercase letters, digits and '_', starting "
+                "with a letter (Dagster names and the job id derive from it)"
+            )
+        object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "sinks", tuple(self.sinks))
+        object.__setattr__(self, "deps", tuple(self.deps))
+        if not self.stages:
+            raise ValueError(f"pipeline {self.name}: at least one stage is needed")
+        if not isinstance(self.source, Source):
+            raise TypeError(f"pipeline {self.name}: source must be a pipelines.Source")
+        for value, what in ((self.checkpoint_interval, "checkpoint_interval"),
+                            (self.max_retained_checkpoints, "max_retained_checkpoints")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"pipeline {self.name}: {what} must be >= 1, got {value!r}")
+        seen: list[str] = []
+        for stage in self.stages:
+            if not isinstance(stage, Stage):
+                raise TypeError(f"pipeline {self.name}: {stage!r} is not a Stage")
+            if stage.name in seen:
+                raise ValueError(f"pipeline {self.name}: two stages are called {stage.name!r}")
+            if stage.input not in (None, SOURCE, *seen):
+                raise ValueError(
+                    f"pipeline {self.name}: stage {stage.name!r} reads {stage.input!r}, which is "
+                    f"neither {SOURCE!r} nor an earlier stage ({seen or 'none'})"
+                )
+            seen.append(stage.name)
+        sink_names = set()
+        for sink in self.sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"pipeline {self.name}: {sink!r} is not a pipelines.Sink")
+            if sink.stage not in seen:
+                raise ValueError(
+                    f"pipeline {self.name}: sink {sink.name!r} writes stage {sink.stage!r}, "
+                    f"which is not one of its stages {seen}"
+                )
+            if sink.name in sink_names:
+                raise ValueError(f"pipeline {self.name}: two sinks are called {sink.name!r}")
+            sink_names.add(sink.name)
+        object.__setattr__(self, "order", PartitionOrder(self.partitions))
+
+    def input_of(self, index: int) -> str:
+        """What stage ``index`` reads: ``SOURCE`` or an earlier stage's name."""
+        stage = self.stages[index]
+        if stage.input is not None:
+            return stage.input
+        return SOURCE if index == 0 else self.stages[index - 1].name
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"pipeline {self.name} has no stage {name!r}")

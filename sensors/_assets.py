@@ -1,0 +1,303 @@
+"""A pipeline's Dagster assets: the stateful multi-asset (its state and its sinks), the
+``checkpoint_integrity`` check, and the jobs that run them.
+
+No ``from __future__ import annotations`` here: Dagster reads the ``config`` parameters'
+annotations at definition time.
+"""
+
+import os
+
+import dagster as dg
+from pydantic import Field
+
+from checkpoint_storage import (
+    InvalidCheckpointError,
+    RestoreMode,
+    format_size,
+    list_checkpoints,
+    verify_checkpoint,
+)
+from pipelines import (
+    PartitionResult,
+    StatefulPipeline,
+    StatefulRunner,
+    check_restore_from,
+)
+from resources import CheckpointStorageResource, SparkResource
+
+__all__ = [
+    "FAULT_INJECTION_ENV",
+    "FAULT_TAG",
+    "StatefulRunConfig",
+    "build_integrity_check",
+    "build_stateful_assets",
+    "pool_for",
+    "runner_for",
+    "sink_asset_key",
+]
+
+# --- test seam: a real failure in a real run (off by default) -------------------------
+# The end-to-end tests need a run that fails midway in the real processes, without mocks, so
+# that the recovery sensor has something to recover. Only when the code location's
+# environment has PIPELINE_FAULT_INJECTION=1 does a run tagged ``test/fail_after_batch=<k>``
+# raise right after applying its k-th batch (counted from 1 within a partition, before that
+# position's checkpoint). Without the env var the tag is ignored; recovery runs do not carry
+# the failed run's tags, so they run through.
+FAULT_INJECTION_ENV = "PIPELINE_FAULT_INJECTION"
+FAULT_TAG = "test/fail_after_batch"
+
+
+class InjectedFault(RuntimeError):
+    """The failure the test seam injects (never raised unless enabled, see above)."""
+
+
+def _fault_hook(tags: dict[str, str]):
+    if os.environ.get(FAULT_INJECTION_ENV) != "1" or FAULT_TAG not in tags:
+        return None
+    after = int(tags[FAULT_TAG])
+
+    def hook(point: str, **info) -> None:
+        if point == "batch_applied" and info.get("batch", -1) + 1 == after:
+            raise InjectedFault(
+                f"injected fault ({FAULT_TAG}={after}) after batch {after} of "
+                f"{info.get('partition')}"
+            )
+
+    return hook
+
+
+def runner_for(
+    pipeline: StatefulPipeline,
+    spark: SparkResource,
+    checkpoint_storage: CheckpointStorageResource,
+    **options,
+) -> StatefulRunner:
+    """The pipeline's runner, from resources (which stay here on the driver: only the plain
+    storage object they hand out reaches the executors)."""
+    return StatefulRunner(
+        spark.session, checkpoint_storage.checkpoint_storage(), pipeline, **options
+    )
+
+
+def pool_for(pipeline: StatefulPipeline) -> str:
+    """The Dagster concurrency pool of every step that writes ``pipeline``'s checkpoints (the
+    stateful asset, the savepoint job): with a limit of 1 on the instance a second run waits
+    in the queue instead of racing the first for the job directory."""
+    return f"checkpoints_{pipeline.name}"
+
+
+def sink_asset_key(pipeline: StatefulPipeline, sink_name: str) -> dg.AssetKey:
+    return dg.AssetKey(f"{pipeline.name}_{sink_name}")
+
+
+class StatefulRunConfig(dg.Config):
+    """Where the state comes from. By default the newest retained checkpoint that fits the
+    first partition of the run; ``restore_from`` names a checkpoint or savepoint instead
+    (backfill from a savepoint). ``restore_mode``: NO_CLAIM never deletes the restored
+    snapshot; CLAIM hands it to retention."""
+
+    restore_from: str | None = Field(
+        default=None,
+        description="A checkpoint or savepoint directory to start from (it must hold the "
+        "state at the end of the partition before the first one of this run, or inside it). "
+        "Find pointers with `checkpoints list <checkpoint or savepoint dir>`, on the state "
+        "asset's materializations (checkpoint_pointer) and observations (savepoint_pointer).",
+    )
+    restore_mode: RestoreMode = RestoreMode.NO_CLAIM
+
+
+def _materializations(pipeline: StatefulPipeline, result: PartitionResult):
+    checkpoint = result.checkpoint
+    rows = {f"rows_{name}": count for name, count in result.rows.items()}
+    state_rows = {f"state_rows_{name}": n for name, n in checkpoint.state_rows.items()}
+    yield dg.AssetMaterialization(
+        pipeline.name,
+        partition=result.partition,
+        metadata={
+            "checkpoint_pointer": dg.MetadataValue.path(checkpoint.pointer),
+            "checkpoint_id": checkpoint.checkpoint_id,
+            "restored_from": result.restored_from or "none: started from empty state",
+            "source_position": str(checkpoint.position),
+            "state_bytes": checkpoint.state_bytes,
+            "state_size": format_size(checkpoint.state_bytes),
+            "files_written": checkpoint.files_written,
+            "inline_states": checkpoint.inline_states,
+            "checkpoints_taken": len(result.checkpoints_taken),
+            "batches_applied": result.batches_applied,
+            "duration_s": round(result.duration_s, 3),
+            **rows,
+            **state_rows,
+        },
+    )
+    for sink in pipeline.sinks:
+        yield dg.AssetMaterialization(
+            sink_asset_key(pipeline, sink.name),
+            partition=result.partition,
+            metadata={
+                "path": dg.MetadataValue.path(sink.location(result.partition)),
+                "stage": sink.stage,
+                "of": sink.of,
+            },
+        )
+
+
+def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
+    """The stateful multi-asset: the pipeline's state (asset ``<name>``) and one asset per
+    sink (``<name>_<sink>``), partitioned like the pipeline, single-run backfills, the state
+    depending on its own previous partition."""
+    name = pipeline.name
+    upstream = [dep.key for dep in pipeline.deps]
+    # The state after partition P is the state after the one before P, plus P's input.
+    # Dagster allows an asset to depend on itself only across time windows; for static
+    # partitions the runner alone enforces the order (MissingStateError names what is
+    # missing).
+    if isinstance(pipeline.partitions, dg.TimeWindowPartitionsDefinition):
+        upstream.append(
+            dg.AssetDep(
+                name,
+                partition_mapping=dg.TimeWindowPartitionMapping(start_offset=-1, end_offset=-1),
+            )
+        )
+    state = dg.AssetSpec(
+        name,
+        group_name=name,
+        kinds={"spark"},
+        description=pipeline.description
+        or f"The state of pipeline {name} (stages: "
+        f"{', '.join(s.name for s in pipeline.stages)}), checkpointed every "
+        f"{pipeline.checkpoint_interval} batches and at the end of each partition.",
+        deps=upstream,
+        skippable=True,
+    )
+    sinks = [
+        dg.AssetSpec(
+            sink_asset_key(pipeline, sink.name),
+            group_name=name,
+            kinds={"parquet"},
+            description=f"{sink.of} of stage {sink.stage}, per partition "
+            f"({type(sink).__name__}); a re-run replaces its partition.",
+            deps=[name],
+            skippable=True,
+        )
+        for sink in pipeline.sinks
+    ]
+
+    @dg.multi_asset(
+        name=name,
+        specs=[state, *sinks],
+        partitions_def=pipeline.partitions,
+        # One run processes a backfill's partitions in order, in one Spark session.
+        backfill_policy=dg.BackfillPolicy.single_run(),
+        can_subset=False,
+        pool=pool_for(pipeline),
+    )
+    def stateful_asset(
+        context: dg.AssetExecutionContext,
+        config: StatefulRunConfig,
+        spark: SparkResource,
+        checkpoint_storage: CheckpointStorageResource,
+    ):
+        if config.restore_from is not None and context.partition_keys:
+            # Storage only, before the Spark session exists: a savepoint that is missing or
+            # does not fit the range fails here, with the reason, and no Spark work was done.
+            position = check_restore_from(
+                checkpoint_storage.checkpoint_storage(),
+                config.restore_from,
+                context.partition_keys[0],
+                pipeline,
+            )
+            mode = RestoreMode(config.restore_mode).value
+            context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")
+        fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
+        runner = runner_for(pipeline, spark, checkpoint_storage, fault_hook=fault_hook)
+
+        def record(result: PartitionResult) -> None:
+            # Each partition is recorded as soon as its checkpoint completed, so a run that
+            # fails later keeps the partitions it finished.
+            for event in _materializations(pipeline, result):
+                context.log_event(event)
+
+        runner.run(
+            context.partition_keys,
+            restore_from=config.restore_from,
+            restore_mode=config.restore_mode,
+            on_partition_done=record,
+            on_progress=context.log.info,
+        )
+        yield from ()
+
+    return stateful_asset
+
+
+def build_integrity_check(pipeline: StatefulPipeline) -> dg.AssetChecksDefinition:
+    """``checkpoint_integrity`` on the pipeline's state: the newest checkpoint with a
+    `_metadata` validates (every file's size and CRC-32) and restores (each stage's rows as
+    recorded). Read-only: it never deletes or creates anything."""
+
+    @dg.asset_check(
+        asset=pipeline.name,
+        name="checkpoint_integrity",
+        description="The latest completed checkpoint validates (every file's size and CRC-32) "
+        "and restores (each stage's rows as recorded).",
+    )
+    def checkpoint_integrity(
+        spark: SparkResource, checkpoint_storage: CheckpointStorageResource
+    ) -> dg.AssetCheckResult:
+        runner = runner_for(pipeline, spark, checkpoint_storage)
+        storage = runner.storage
+        directory = runner.access.checkpoints_directory
+        try:
+            found = list_checkpoints(directory, storage_options=storage.storage_options)
+        except FileNotFoundError:
+            found = []
+        with_metadata = [c for c in found if c.status in ("completed", "invalid")]
+        if not with_metadata:
+            return dg.AssetCheckResult(
+                passed=False, description=f"no completed checkpoint in {directory}"
+            )
+        newest = with_metadata[-1]
+        if newest.status == "invalid":
+            return dg.AssetCheckResult(
+                passed=False,
+                description=f"the newest checkpoint {newest.pointer} is invalid: {newest.reason}",
+                metadata={"checkpoint_pointer": dg.MetadataValue.path(newest.pointer)},
+            )
+        location = runner.access.resolve_checkpoint(newest.pointer)
+        try:
+            report = verify_checkpoint(location)
+        except InvalidCheckpointError as exc:
+            return dg.AssetCheckResult(passed=False, description=str(exc))
+        metadata = {
+            "checkpoint_pointer": dg.MetadataValue.path(newest.pointer),
+            "checkpoint_id": report.checkpoint_id,
+            "handles_checked": report.handles_checked,
+            "bytes_read": report.bytes_read,
+        }
+        if not report.ok:
+            problems = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in report.problems[:5])
+            return dg.AssetCheckResult(
+                passed=False,
+                description=f"{len(report.problems)} problem(s): {problems}",
+                metadata=metadata,
+            )
+        snapshot = location.load_metadata()
+        states = runner.restore_states(snapshot)
+        restored = {name: state.count() for name, state in states.items()}
+        recorded = {
+            op.operator_id: sum(
+                int(s.properties.get("rows", -1)) for s in op.subtask_states.values()
+            )
+            for op in snapshot.operator_states
+        }
+        for state in states.values():
+            state.unpersist()
+        metadata |= {f"restored_rows_{name}": n for name, n in restored.items()}
+        if restored != recorded:
+            return dg.AssetCheckResult(
+                passed=False,
+                description=f"restored rows {restored} differ from the recorded {recorded}",
+                metadata=metadata,
+            )
+        return dg.AssetCheckResult(passed=True, metadata=metadata)
+
+    return checkpoint_integrity

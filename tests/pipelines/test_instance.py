@@ -1,0 +1,60 @@
+"""The project's Dagster instance: one run at a time per pipeline's concurrency pool."""
+
+import dagster as dg
+import pytest
+
+from pipelines.definitions import defs
+from pipelines.instance import CONCURRENCY_YAML, DAGSTER_YAML, ensure_dagster_home, limit_pools
+
+PIPELINES = ("user_activity", "page_views")
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_every_step_that_writes_checkpoints_is_in_the_pipeline_pool(name):
+    """The stateful asset and the savepoint op of a pipeline share its pool; the integrity
+    check (read-only) is in none."""
+    pool = f"checkpoints_{name}"
+
+    pools = {
+        job: defs.resolve_job_def(f"{name}_{job}").graph.pools
+        for job in ("job", "savepoint_job", "integrity_job")
+    }
+
+    assert {"job": {pool}, "savepoint_job": {pool}, "integrity_job": set()} == pools
+
+
+def test_pools_are_per_pipeline():
+    """Two pipelines never share a pool, so their runs do not wait for each other."""
+    assert len(PIPELINES) == len({f"checkpoints_{name}" for name in PIPELINES})
+    names = {pool for job in defs.jobs for pool in defs.resolve_job_def(job.name).graph.pools}
+    assert {f"checkpoints_{name}" for name in PIPELINES} == names
+
+
+def test_instance_limits_each_pool_to_one_run(tmp_path, monkeypatch):
+    """The instance scripts/run and scripts/ui prepare queues runs per pool: run granularity,
+    a limit of 1 by default and stored for every pool of the code location."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    home = ensure_dagster_home()
+
+    with dg.DagsterInstance.get() as instance:
+        config = instance.get_concurrency_config().pool_config
+        pools = limit_pools(instance, defs)
+        limits = {p.name: p.limit for p in instance.event_log_storage.get_pool_limits()}
+
+    assert DAGSTER_YAML == (home / "dagster.yaml").read_text()
+    assert ("run", 1) == (config.pool_granularity.value, config.default_pool_limit)
+    assert {pool: 1 for pool in pools} == limits
+
+
+def test_an_existing_instance_gets_the_concurrency_section(tmp_path, monkeypatch):
+    """A dagster.yaml from before gains the concurrency section, keeping what it had."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+
+    ensure_dagster_home()
+    ensure_dagster_home()
+
+    expected = "telemetry:\n  enabled: false\n\n" + CONCURRENCY_YAML
+    assert expected == (home / "dagster.yaml").read_text()

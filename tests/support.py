@@ -86,7 +86,7 @@ def flink_metadata(version: int = 6, seed: int = 0, size: int = 600) -> bytes:
     return FLINK_MAGIC_BYTES + version.to_bytes(4, "big") + payload(size, seed)
 
 
-def make_flink_job_directory(fs, job_url: str, ids=(3, 5, 6), shared_files: int = 8) -> set[str]:
+def make_flink_job_directory(fs, job_url: str, ids=(3, 5, 6), shared_files: int = 13) -> set[str]:
     """Lay out what an Apache Flink 2.x job with RocksDB incremental checkpoints leaves on
     storage: ``chk-<id>/_metadata`` (Flink's format) plus exclusive files per retained
     checkpoint, ``shared/`` SST files and an empty ``taskowned/``. Returns the URLs of every

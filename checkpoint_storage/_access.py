@@ -2,7 +2,6 @@
 and as the workers (executors) see it."""
 
 import logging
-import re
 import secrets
 import threading
 import uuid
@@ -23,13 +22,14 @@ from checkpoint_storage._filesystems import (
     canonical_url,
     check_pointer,
     join,
+    normalize_pointer,
     parent_and_name,
     roots_for_directory,
     to_url,
     url_to_fs,
 )
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
-from checkpoint_storage._ids import JobID
+from checkpoint_storage._ids import JobID, checkpoint_directory_id, is_job_id
 from checkpoint_storage._locations import (
     CheckpointStorageLocation,
     CompletedCheckpointStorageLocation,
@@ -37,6 +37,7 @@ from checkpoint_storage._locations import (
     MemoryMetadataTarget,
     MetadataTarget,
 )
+from checkpoint_storage._metadata import unreadable
 from checkpoint_storage._references import (
     CheckpointedStateScope,
     CheckpointStorageLocationReference,
@@ -64,7 +65,6 @@ __all__ = [
 
 logger = logging.getLogger("checkpoint_storage")
 
-_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SAVEPOINT_ATTEMPTS = 10
 
 
@@ -149,8 +149,15 @@ def _checkpoint_id(checkpoint_id: object) -> int:
 def resolve_checkpoint_pointer(
     pointer: str, storage_options: dict | None, entropy: EntropyInjector | None = None
 ) -> CompletedCheckpointStorageLocation:
-    """A pointer (checkpoint dir, dir + '/', or its `_metadata`) to its completed location."""
-    pointer = check_pointer(pointer)
+    """A pointer (checkpoint dir, dir + '/', or its `_metadata`) to its completed location.
+
+    Pointers follow ``normalize_pointer`` (``file:`` URLs, relative paths, no '.'/'..' inside),
+    the same rule for the CLI and a run's ``restore_from``. Raises ``CheckpointNotFoundError``
+    only when nothing is there (its message fits what is: a job directory, a file, ...), and
+    ``UnreadableCheckpointError`` naming `_metadata` when it exists but is no readable file (a
+    directory, FIFO or device, a symbolic link loop, no permission): nothing is ever opened
+    but a regular file."""
+    pointer = normalize_pointer(pointer)
     fs, path = url_to_fs(pointer, storage_options)
     directory, name = parent_and_name(path)
     if name == METADATA_FILE_NAME:
@@ -158,23 +165,30 @@ def resolve_checkpoint_pointer(
     else:
         directory, metadata_path = path, join(path, METADATA_FILE_NAME)
     fs.invalidate_cache(directory)
+    metadata_url = to_url(fs, metadata_path)
     try:
         info = fs.info(metadata_path)
     except (FileNotFoundError, NotADirectoryError) as exc:
         raise _missing_checkpoint(fs, pointer, directory) from exc
-    if info.get("type") != "file":
-        raise CheckpointNotFoundError(
-            f"{pointer}: {metadata_path} is not a file; pass a completed checkpoint directory "
-            "(…/chk-<id>), a savepoint directory, or its _metadata file"
+    except OSError as exc:  # a symbolic link loop, no permission to look: no verdict
+        raise unreadable(metadata_url, exc) from exc
+    kind = info.get("type")
+    if kind != "file":
+        what = (
+            "a directory"
+            if kind == "directory"
+            else "not a regular file (a FIFO, socket or device?)"
         )
+        raise unreadable(metadata_url, OSError(f"it is {what}"))
     directory_url = to_url(fs, directory)
-    handle = FileStateHandle(to_url(fs, metadata_path), int(info["size"]), filesystem=fs)
+    handle = FileStateHandle(metadata_url, int(info["size"]), filesystem=fs)
     return CompletedCheckpointStorageLocation(
         directory_url, handle, filesystem=fs, roots=roots_for_directory(directory_url, entropy)
     )
 
 
 def _missing_checkpoint(fs: AbstractFileSystem, pointer: str, directory: str) -> Exception:
+    """Why there is no `_metadata` at ``pointer``, in words that fit what is there."""
     try:
         kind = fs.info(directory).get("type")
     except (FileNotFoundError, NotADirectoryError):
@@ -186,6 +200,24 @@ def _missing_checkpoint(fs: AbstractFileSystem, pointer: str, directory: str) ->
         return CheckpointNotFoundError(
             f"{pointer} is a file, not a checkpoint: pass the checkpoint directory or its "
             "_metadata file"
+        )
+    try:
+        names = {parent_and_name(entry)[1] for entry in fs.ls(directory, detail=False)}
+    except OSError:
+        names = set()
+    if (
+        any(checkpoint_directory_id(n) is not None for n in names)
+        or {"shared", "taskowned"} & names
+    ):
+        return CheckpointNotFoundError(
+            f"{pointer} is a job directory, not a checkpoint: pass one of its chk-<id> "
+            f"directories, e.g. its latest completed one (`checkpoints latest {pointer}`, or "
+            "latest_completed_checkpoint()); `checkpoints list` shows them all"
+        )
+    if any(is_job_id(n) for n in names):
+        return CheckpointNotFoundError(
+            f"{pointer} is a checkpoint base directory holding job directories, not a "
+            f"checkpoint: `checkpoints list {pointer}` shows its checkpoints and savepoints"
         )
     return CheckpointNotFoundError(
         f"{pointer} has no _metadata: the checkpoint was never completed or was disposed. "
@@ -278,23 +310,31 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
         except FileNotFoundError:
             return []
         names = (parent_and_name(entry)[1] for entry in entries)
-        return sorted(
-            (int(m.group(1)) for n in names if (m := _CHK_DIR.fullmatch(n))), reverse=True
-        )
+        ids = (checkpoint_directory_id(name) for name in names)
+        return sorted((i for i in ids if i is not None), reverse=True)
 
     def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:
+        """The newest ``chk-<id>`` whose `_metadata` validates and holds checkpoint ``<id>``.
+        Invalid, foreign and id-mismatched checkpoints are skipped with a warning; a `_metadata`
+        that cannot be read raises ``UnreadableCheckpointError`` (never taken for "none")."""
         for checkpoint_id in self._checkpoint_ids():
-            directory = join(self._job_directory, f"chk-{checkpoint_id}")
-            try:
-                completed = self.resolve_checkpoint(directory)
-                completed.load_metadata()
-            except CheckpointNotFoundError:
-                continue
-            except (InvalidCheckpointError, UnsafePathError) as exc:
-                logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
-                continue
-            return completed
+            loaded = self._load_numbered(checkpoint_id)
+            if loaded is not None:
+                return loaded[0]
         return None
+
+    def _load_numbered(self, checkpoint_id: int):
+        """``(location, metadata)`` of ``chk-<checkpoint_id>``, or None (with a warning) when
+        it has no `_metadata`, an invalid or foreign one, or one of another checkpoint id."""
+        directory = join(self._job_directory, f"chk-{checkpoint_id}")
+        try:
+            completed = self.resolve_checkpoint(directory)
+            return completed, completed.load_metadata(checkpoint_id)
+        except CheckpointNotFoundError:
+            return None
+        except (InvalidCheckpointError, UnsafePathError) as exc:
+            logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
+            return None
 
 
 class FsCheckpointStorageAccess(_DirectoryBasedAccess):

@@ -25,6 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from checkpoint_storage._ids import checkpoint_directory_id
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
     CheckpointCommitFailedError,
@@ -85,16 +86,67 @@ def parent_and_name(url: str) -> tuple[str, str]:
 
 
 def check_pointer(pointer: object) -> str:
-    """Reject pointers that could walk out of where they name, before any I/O."""
+    """Reject pointers that could walk out of where they name, before any I/O: no '.' or '..'
+    segment, plain, percent-encoded or behind backslashes, and no control character."""
     pointer = _check_url_text(pointer, "checkpoint pointer")
-    _, _, path = pointer.partition("://") if "://" in pointer else ("", "", pointer)
+    scheme, _, path = pointer.partition("://") if "://" in pointer else ("", "", pointer)
     if _has_traversal(path):
+        if not any(segment in (".", "..") for segment in path.split("/")):
+            advice = (
+                "it hides them behind percent-encoding or backslashes: pass the directory's "
+                "plain path or URL"
+            )
+        elif scheme:
+            plain = f"{scheme}://{posixpath.normpath('/' + path).lstrip('/')}"
+            advice = f"object stores take them literally: write the URL without them ({plain})"
+        else:
+            advice = (
+                "only a relative path may start with ./ or ../: write it as "
+                f"{posixpath.normpath(pointer)}"
+            )
         raise UnsafePathError(
-            f"checkpoint pointer {pointer!r} contains '.' or '..' segments (possibly "
-            "percent-encoded or separated by backslashes); pass the checkpoint directory as an "
-            "absolute path or URL"
+            f"checkpoint pointer {pointer!r} contains '.' or '..' segments; {advice}"
         )
     return pointer
+
+
+def normalize_pointer(pointer: object) -> str:
+    """A pointer as a person gives it (a CLI argument, a run's ``restore_from``), in the one
+    form ``check_pointer`` accepts; the same rule wherever a pointer is resolved:
+
+    - ``file:`` URLs (``file:/abs``, ``file:///abs``, ``file://localhost/abs``; percent-encoded
+      as RFC 8089 says) name the local path they encode; a file URL of another host is refused;
+    - a relative local path is relative to the current directory, and its leading ``./`` and
+      ``../`` segments are resolved there, as a shell would;
+    - any other '.' or '..' segment (plain, percent-encoded or behind backslashes) is refused
+      with ``UnsafePathError``, before any I/O.
+    """
+    pointer = _check_url_text(pointer, "checkpoint pointer")
+    if pointer[:5].lower() == "file:":
+        pointer = _file_url_path(pointer)
+    elif "://" not in pointer and not pointer.startswith("/"):
+        segments = pointer.split("/")
+        base = os.getcwd()
+        while segments and segments[0] in (".", "..", ""):
+            if segments.pop(0) == "..":
+                base = os.path.dirname(base)
+        pointer = "/".join([base.rstrip("/"), *segments]) if segments else base
+    return check_pointer(pointer)
+
+
+def _file_url_path(url: str) -> str:
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"{url!r} names a file on host {parsed.netloc!r}: only local file URLs "
+            "(file:/path, file:///path, file://localhost/path) are supported"
+        )
+    if parsed.query or parsed.fragment or not parsed.path.startswith("/"):
+        raise ValueError(f"{url!r} is not an absolute file URL: use file:///absolute/path")
+    if _has_traversal(parsed.path):
+        check_pointer(parsed.path)  # raises, with advice for the path it names
+    path = urllib.parse.unquote(parsed.path)
+    return _check_url_text(path, "checkpoint pointer")
 
 
 _MAX_DECODINGS = 4
@@ -203,9 +255,6 @@ def _clean_tail(tail: str) -> bool:
     )
 
 
-_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
-
-
 def roots_for_directory(directory_url: str, entropy: "EntropyInjector | None" = None) -> PathRoots:
     """Roots of a completed checkpoint or savepoint directory (DESIGN §3.3).
 
@@ -213,7 +262,7 @@ def roots_for_directory(directory_url: str, entropy: "EntropyInjector | None" = 
     (and their entropy-injected forms); any other directory (a savepoint) only itself.
     """
     parent, name = parent_and_name(directory_url)
-    if not _CHK_DIR.fullmatch(name):
+    if checkpoint_directory_id(name) is None:
         return PathRoots((directory_url,))
     dirs = (directory_url, join(parent, "shared"), join(parent, "taskowned"))
     if entropy is None:

@@ -2,9 +2,22 @@
 
 Deletes the files below ``<job>/chk-<id>/`` and ``<job>/shared/`` that no retained checkpoint
 references and that are older than a grace period: orphans of crashed writers and failed task
-attempts, aborted checkpoints (``chk-<id>`` without `_metadata`), invalid checkpoints and temp
-files of a crashed local `_metadata` publish. Then it removes the ``chk-<id>`` directories this
-left empty (local disk and memory; on object stores a directory vanishes with its last object).
+attempts, aborted checkpoints (``chk-<id>`` without `_metadata`) and temp files of a crashed
+local `_metadata` publish. Then it removes the ``chk-<id>`` directories this left empty (local
+disk and memory; on object stores a directory vanishes with its last object).
+
+Fail closed: it deletes only what it proves unreferenced. A ``chk-<id>`` whose `_metadata`
+exists but cannot be read keeps every file, and is reported in ``skipped``:
+
+- ``"foreign"``: Apache Flink's `_metadata` (magic ``0x4960672d``). The job directory is
+  another system's: nothing in it is deleted at all.
+- ``"unknown format"``: an unknown magic number or a newer format version of this library.
+- ``"id mismatch"``: the id inside differs from ``chk-<id>`` (a copied or renamed directory).
+- ``"corrupt"``: this library's format, but truncated or corrupt. Deleted only with
+  ``delete_corrupt=True`` (then it references nothing), never because of a grace period alone.
+- ``"unreadable"``: it cannot be opened (permission, symbolic link loop, a directory or FIFO).
+
+While any checkpoint is skipped nothing in ``shared/`` is collected: it may be referenced.
 
 File merging: a physical file below ``shared/<operator>_<subtask>_<parallelism>_/`` is
 referenced while any retained checkpoint holds a ``SegmentFileStateHandle`` in it, and is
@@ -14,11 +27,9 @@ Never deleted: anything a retained checkpoint or ``extra_references`` names, any
 than the grace period or without a modification time, ``taskowned/``, anything with a
 ``savepoint-*`` path segment, symbolic links, and anything outside the job directory.
 
-Retained checkpoints are the ``chk-<id>`` directories whose `_metadata` exists and validates.
-A provably invalid `_metadata` (corrupt, truncated, unsafe paths) references nothing and is
-logged; one of a newer format version stops the collection (its references are unknown). Any
-I/O error (permission, timeout, 5xx) while listing or loading is raised, never read as
-"unreferenced".
+Retained checkpoints are the ``chk-<id>`` directories whose `_metadata` exists, validates and
+holds checkpoint ``<id>``. Any other I/O error (timeout, 5xx) while listing or loading is
+raised, never read as "unreferenced".
 
 Concurrency: the job's directory is listed once, then the `_metadata` of every ``chk-<id>`` in
 that listing is loaded. A checkpoint completed after the listing references only files that a
@@ -34,7 +45,6 @@ import datetime as _dt
 import errno
 import logging
 import math
-import re
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,19 +64,22 @@ from checkpoint_storage._filesystems import (
     to_url,
 )
 from checkpoint_storage._handles import FileStateHandle, SegmentFileStateHandle
-from checkpoint_storage._metadata import FORMAT_VERSION, HEADER_SIZE, MAGIC
+from checkpoint_storage._ids import checkpoint_directory_id
+from checkpoint_storage._metadata import FLINK
 from checkpoint_storage.exceptions import (
+    CheckpointIdMismatchError,
     CheckpointNotFoundError,
     CheckpointStorageError,
+    ForeignCheckpointError,
     InvalidCheckpointError,
+    UnreadableCheckpointError,
     UnsafePathError,
 )
 
-__all__ = ["GarbageCollectionResult", "collect_garbage"]
+__all__ = ["GarbageCollectionResult", "SkippedCheckpoint", "collect_garbage"]
 
 logger = logging.getLogger("checkpoint_storage")
 
-_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SHARED_DIR = "shared"
 _SAVEPOINT_PREFIX = "savepoint-"
 _ATTEMPTS = 3
@@ -75,13 +88,36 @@ _ATTEMPTS = 3
 # (created: memory files are never modified in place).
 
 
+SKIPPED_FOREIGN = "foreign"
+SKIPPED_UNKNOWN_FORMAT = "unknown format"
+SKIPPED_ID_MISMATCH = "id mismatch"
+SKIPPED_CORRUPT = "corrupt"
+SKIPPED_UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A ``chk-<id>`` whose `_metadata` could not be read, so all its files were kept.
+
+    ``reason`` is one of ``"foreign"`` (Apache Flink's), ``"unknown format"``, ``"id
+    mismatch"``, ``"corrupt"`` or ``"unreadable"``; ``detail`` names the file and the format
+    or problem."""
+
+    pointer: str
+    metadata: str
+    reason: str
+    detail: str
+
+
 @dataclass(frozen=True)
 class GarbageCollectionResult:
     """What `collect_garbage` deleted (or, in a dry run, would delete) and what it kept.
 
     ``deleted`` and ``kept`` are canonical file URLs, sorted; ``kept`` lists every file below
     ``chk-<id>/`` and ``shared/`` that stays. ``removed_directories`` are the empty
-    ``chk-<id>`` directories (and empty directories inside them) removed.
+    ``chk-<id>`` directories (and empty directories inside them) removed. ``skipped`` are the
+    checkpoints whose `_metadata` could not be read (all their files kept); while there are
+    any, ``shared/`` was not collected (``shared_collected`` is False).
     """
 
     deleted: tuple[str, ...] = ()
@@ -89,6 +125,11 @@ class GarbageCollectionResult:
     bytes_deleted: int = 0
     dry_run: bool = False
     removed_directories: tuple[str, ...] = ()
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+
+    @property
+    def shared_collected(self) -> bool:
+        return not self.skipped
 
     def summary(self) -> str:
         verb = "would delete" if self.dry_run else "deleted"
@@ -100,7 +141,15 @@ class GarbageCollectionResult:
             n = len(self.removed_directories)
             text += f" and {n} empty {_plural(n, 'directory', 'directories')}"
         n = len(self.kept)
-        return f"{text}; kept {n} {_plural(n, 'file')}"
+        text = f"{text}; kept {n} {_plural(n, 'file')}"
+        if self.skipped:
+            n = len(self.skipped)
+            reasons = sorted({s.reason for s in self.skipped})
+            text += (
+                f"; {n} {_plural(n, 'checkpoint')} could not be read ({', '.join(reasons)}): "
+                "all their files and shared/ kept"
+            )
+        return text
 
 
 def _plural(n: int, word: str, plural: str | None = None) -> str:
@@ -119,6 +168,7 @@ def collect_garbage(
     now: _dt.datetime | float | None = None,
     extra_references: Iterable[str] = (),
     max_workers: int = DEFAULT_DELETE_PARALLELISM,
+    delete_corrupt: bool = False,
 ) -> GarbageCollectionResult:
     """Delete unreferenced files older than ``grace_period`` below the job's ``chk-<id>/``
     and ``shared/`` directories, then the ``chk-<id>`` directories left empty.
@@ -130,9 +180,15 @@ def collect_garbage(
     as well (a directory keeps everything below it), e.g. the files of a restored snapshot.
     With ``dry_run`` nothing is deleted and the result lists what would be.
 
+    A checkpoint whose `_metadata` cannot be read keeps all its files and suspends the
+    collection of ``shared/``; it is listed in the result's ``skipped`` (see the module
+    docstring). ``delete_corrupt`` makes checkpoints of this library whose `_metadata` is
+    corrupt garbage like aborted ones (still subject to the grace period); foreign, unknown,
+    mismatched and unreadable ones are never deleted.
+
     Raises ``ValueError`` for bad arguments, the filesystem's ``OSError`` for any I/O failure
-    while listing, loading or deleting, and ``CheckpointStorageError`` when a `_metadata` has
-    a newer format version or checkpoints kept disappearing while they were read.
+    while listing or deleting, and ``CheckpointStorageError`` when checkpoints kept
+    disappearing while they were read.
     """
     grace = _grace_seconds(grace_period)
     cutoff = _epoch_seconds(now) - grace
@@ -150,8 +206,13 @@ def collect_garbage(
     job = access._path(job_url).rstrip("/")
     extra = {_extra_reference(access, url) for url in extra_references}
 
-    listing, referenced = _list_and_load(access, fs, job, job_url, max_workers)
-    plan = _plan(fs, job, listing, referenced, extra, cutoff)
+    listing, referenced, skipped = _list_and_load(
+        access, fs, job, job_url, max_workers, bool(delete_corrupt)
+    )
+    protected = {access._path(s.pointer).rstrip("/") for s in skipped}
+    if any(s.reason == SKIPPED_FOREIGN for s in skipped):
+        protected |= {join(job, n) for n in _top_level_names(job, listing)}  # Flink's job
+    plan = _plan(fs, job, listing, referenced, extra, cutoff, protected, not skipped)
     if not dry_run:
         _delete(fs, job, plan.delete, max_workers)
         removed = _remove_directories(fs, plan.directories)
@@ -163,7 +224,10 @@ def collect_garbage(
         bytes_deleted=sum(_entry_size(listing[p]) for p in plan.delete),
         dry_run=bool(dry_run),
         removed_directories=tuple(sorted(to_url(fs, p) for p in removed)),
+        skipped=tuple(sorted(skipped, key=lambda s: s.pointer)),
     )
+    for s in result.skipped:
+        logger.warning("garbage collection kept %s (%s): %s", s.pointer, s.reason, s.detail)
     logger.info("garbage collection of %s: %s", job_url, result.summary())
     return result
 
@@ -246,30 +310,36 @@ class _CheckpointVanished(Exception):
     pass
 
 
-def _list_and_load(access, fs, job: str, job_url: str, max_workers: int):
-    """The listing of the job directory and the stripped paths its retained checkpoints
-    reference; restarts when a listed checkpoint disappears before it is loaded."""
+def _list_and_load(access, fs, job: str, job_url: str, max_workers: int, delete_corrupt: bool):
+    """The listing of the job directory, the stripped paths its retained checkpoints
+    reference and the checkpoints that could not be read; restarts when a listed checkpoint
+    disappears before it is loaded."""
     for attempt in range(1, _ATTEMPTS + 1):
         listing = _list_tree(fs, job)
+        # Any entry named _metadata (a file, a directory, a link, a FIFO) makes the checkpoint
+        # one to read: only a missing _metadata means "aborted".
         completed = sorted(
             name
             for name in _top_level_names(job, listing)
-            if _CHK_DIR.fullmatch(name)
-            and listing.get(join(job, name, METADATA_FILE_NAME), {}).get("type") == "file"
+            if checkpoint_directory_id(name) is not None
+            and join(job, name, METADATA_FILE_NAME) in listing
         )
+
+        def load(name: str):
+            return _references_of(access, fs, job, job_url, name, delete_corrupt)
+
         try:
             if len(completed) <= 1 or max_workers <= 1:
-                loaded = [_references_of(access, fs, job, job_url, n) for n in completed]
+                loaded = [load(n) for n in completed]
             else:
                 with ThreadPoolExecutor(max_workers=min(max_workers, len(completed))) as pool:
-                    loaded = list(
-                        pool.map(lambda n: _references_of(access, fs, job, job_url, n), completed)
-                    )
+                    loaded = list(pool.map(load, completed))
         except _CheckpointVanished as exc:
             logger.info("%s; listing again (attempt %d of %d)", exc, attempt, _ATTEMPTS)
             last = exc
             continue
-        return listing, set().union(*loaded)
+        referenced = set().union(*(r for r in loaded if isinstance(r, set)))
+        return listing, referenced, [r for r in loaded if isinstance(r, SkippedCheckpoint)]
     raise CheckpointStorageError(
         f"checkpoints of {job_url} kept disappearing while garbage was collected ({last}); "
         "the job is discarding checkpoints right now: run the collection again later"
@@ -280,19 +350,30 @@ def _top_level_names(job: str, listing: Mapping[str, dict]) -> set[str]:
     return {name[len(job) + 1 :].split("/", 1)[0] for name in listing}
 
 
-def _references_of(access, fs, job: str, job_url: str, name: str) -> set[str]:
-    """The stripped paths checkpoint ``name`` references: its `_metadata` and file handles;
-    nothing when its `_metadata` is provably invalid."""
+def _references_of(
+    access, fs, job: str, job_url: str, name: str, delete_corrupt: bool
+) -> "set[str] | SkippedCheckpoint":
+    """The stripped paths checkpoint ``name`` references (its `_metadata` and file handles),
+    or why it cannot be read; an empty set for a corrupt one when ``delete_corrupt``."""
     directory = join(job_url, name)
+    metadata_url = join(directory, METADATA_FILE_NAME)
     try:
-        metadata = access.resolve_checkpoint(directory).load_metadata()
+        metadata = access.resolve_checkpoint(directory).load_metadata(checkpoint_directory_id(name))
     except CheckpointNotFoundError as exc:
         raise _CheckpointVanished(f"{directory} disappeared while it was read") from exc
+    except ForeignCheckpointError as exc:
+        reason = SKIPPED_FOREIGN if exc.format_name == FLINK else SKIPPED_UNKNOWN_FORMAT
+        return SkippedCheckpoint(directory, metadata_url, reason, _one_line(exc))
+    except CheckpointIdMismatchError as exc:
+        return SkippedCheckpoint(directory, metadata_url, SKIPPED_ID_MISMATCH, _one_line(exc))
+    except UnreadableCheckpointError as exc:
+        return SkippedCheckpoint(directory, metadata_url, SKIPPED_UNREADABLE, _one_line(exc))
     except (InvalidCheckpointError, UnsafePathError) as exc:
-        _refuse_newer_format(fs, join(job, name, METADATA_FILE_NAME), directory)
+        if not delete_corrupt:
+            return SkippedCheckpoint(directory, metadata_url, SKIPPED_CORRUPT, _one_line(exc))
         logger.warning(
-            "checkpoint %s is invalid and references nothing; its files are garbage once "
-            "older than the grace period: %s",
+            "checkpoint %s is corrupt and references nothing (delete_corrupt): its files are "
+            "garbage once older than the grace period: %s",
             directory,
             exc,
         )
@@ -305,22 +386,8 @@ def _references_of(access, fs, job: str, job_url: str, name: str) -> set[str]:
     return paths
 
 
-def _refuse_newer_format(fs, metadata_path: str, directory: str) -> None:
-    """A `_metadata` of a newer format version is unreadable here, not invalid: what it
-    references is unknown, so nothing may be collected."""
-    try:
-        header = fs.cat_file(metadata_path, start=0, end=HEADER_SIZE)
-    except FileNotFoundError as exc:
-        raise _CheckpointVanished(f"{directory} disappeared while it was read") from exc
-    if len(header) < len(MAGIC) + 2 or header[: len(MAGIC)] != MAGIC:
-        return
-    version = int.from_bytes(header[len(MAGIC) : len(MAGIC) + 2], "big")
-    if version > FORMAT_VERSION:
-        raise CheckpointStorageError(
-            f"{directory} is a checkpoint of format version {version}, newer than this "
-            f"library reads ({FORMAT_VERSION}); what it references is unknown, so no garbage "
-            "was collected: upgrade the library and run the collection again"
-        )
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 # --- planning ----------------------------------------------------------------------------
@@ -333,7 +400,18 @@ class _Plan:
     directories: list[str]
 
 
-def _plan(fs, job: str, listing, referenced: set[str], extra: set[str], cutoff: float) -> _Plan:
+def _plan(
+    fs,
+    job: str,
+    listing,
+    referenced: set[str],
+    extra: set[str],
+    cutoff: float,
+    protected: set[str],
+    collect_shared: bool,
+) -> _Plan:
+    """What to delete and keep. ``protected`` are ``chk-<id>`` directories (stripped paths)
+    kept whole; ``shared/`` is only collected when ``collect_shared``."""
     delete: list[str] = []
     keep: list[str] = []
     # chk-<id> directory -> (its directories, whether everything below it goes, newest time)
@@ -341,13 +419,15 @@ def _plan(fs, job: str, listing, referenced: set[str], extra: set[str], cutoff: 
     for path, info in listing.items():
         parts = path[len(job) + 1 :].split("/")
         top = parts[0]
-        is_chk = bool(_CHK_DIR.fullmatch(top))
+        is_chk = checkpoint_directory_id(top) is not None
         if not (is_chk or top == _SHARED_DIR):
             continue  # taskowned/, savepoint-*, anything else in the job directory
         is_dir = info.get("type") == "directory"
         if is_chk:
             tree = trees.setdefault(join(job, top), [[], True, None])
             tree[2] = _newest(tree[2], modification_time(info))
+            if join(job, top) in protected:
+                tree[1] = False  # kept whole, even its empty directories
         if is_dir and info.get("islink"):
             keep.append(path)  # a link to a directory: never followed, never removed
             if is_chk:
@@ -361,7 +441,8 @@ def _plan(fs, job: str, listing, referenced: set[str], extra: set[str], cutoff: 
             continue
         if len(parts) < 2:
             continue  # a file named like a directory of the job: not ours to judge
-        if _deletable(path, info, parts, referenced, extra, cutoff):
+        guarded = join(job, top) in protected or (top == _SHARED_DIR and not collect_shared)
+        if not guarded and _deletable(path, info, parts, referenced, extra, cutoff):
             delete.append(path)
         else:
             keep.append(path)

@@ -34,3 +34,23 @@ class JobID:
 
     def __str__(self) -> str:
         return self.hex
+
+
+def is_job_id(name: str) -> bool:
+    """Whether ``name`` is a job id (the name of a job directory ``<base>/<job_id>``)."""
+    return bool(_HEX32.fullmatch(name))
+
+
+MAX_CHECKPOINT_ID = 2**63 - 1
+_CHK_DIR = re.compile(r"chk-([1-9][0-9]{0,18})")
+
+
+def checkpoint_directory_id(name: str) -> int | None:
+    """The id of a checkpoint directory named ``chk-<id>`` (decimal, no leading zero, ``0 < id
+    < 2**63`` as Flink's ``long`` ids), else None: ``chk-0``, ``chk-007``, ``chk-+1`` and
+    ``chk-99999999999999999999`` are not checkpoint directories."""
+    match = _CHK_DIR.fullmatch(name)
+    if match is None:
+        return None
+    checkpoint_id = int(match.group(1))
+    return checkpoint_id if checkpoint_id <= MAX_CHECKPOINT_ID else None

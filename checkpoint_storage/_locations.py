@@ -15,8 +15,11 @@ from checkpoint_storage._filesystems import (
     put_if_absent,
 )
 from checkpoint_storage._handles import ByteStreamStateHandle, FileStateHandle, StreamStateHandle
-from checkpoint_storage._metadata import MAX_METADATA_SIZE, CheckpointMetadata, decode_metadata
-from checkpoint_storage._metadata import invalid as _invalid
+from checkpoint_storage._metadata import (
+    CheckpointMetadata,
+    decode_metadata,
+    read_metadata_bytes,
+)
 from checkpoint_storage._references import (
     CheckpointedStateScope,
     CheckpointStorageLocationReference,
@@ -24,7 +27,6 @@ from checkpoint_storage._references import (
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
-    CheckpointNotFoundError,
     StreamClosedError,
 )
 
@@ -75,23 +77,24 @@ class CompletedCheckpointStorageLocation:
         if self._fs is not None:
             delete_recursively(self._fs, self._fs._strip_protocol(self._external_pointer))
 
-    def load_metadata(self) -> CheckpointMetadata:
-        source = getattr(self._metadata_handle, "path", self._external_pointer)
-        if self._metadata_handle.state_size > MAX_METADATA_SIZE:
-            raise _invalid(source, f"{self._metadata_handle.state_size} bytes is too large")
-        try:
-            with self._metadata_handle.open() as f:
-                data = f.read(MAX_METADATA_SIZE + 1)
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{source} disappeared: the checkpoint was disposed after it was resolved"
-            ) from exc
+    @property
+    def _metadata_source(self) -> str:
+        return getattr(self._metadata_handle, "path", self._external_pointer)
+
+    def read_metadata_bytes(self) -> bytes:
+        """The raw `_metadata`, read safely (header first, bounded; see ``_metadata``)."""
+        return read_metadata_bytes(self._metadata_handle, self._metadata_source)
+
+    def load_metadata(self, checkpoint_id: int | None = None) -> CheckpointMetadata:
+        """Read and validate `_metadata`. With ``checkpoint_id`` (the id of the ``chk-<id>``
+        directory it was found in) the id inside must equal it (``CheckpointIdMismatchError``)."""
         return decode_metadata(
-            data,
-            source=source,
+            self.read_metadata_bytes(),
+            source=self._metadata_source,
             directory=self._external_pointer,
             roots=self._roots,
             filesystem=self._fs,
+            checkpoint_id=checkpoint_id,
         )
 
     def __eq__(self, other: object) -> bool:

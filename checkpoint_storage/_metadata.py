@@ -3,6 +3,10 @@
 The encoding is specified in docs/metadata-format.md. Decoding is fail-closed: every length is
 checked against the bytes that remain before anything is allocated, the body carries a CRC-32,
 and every path is checked against the checkpoint's roots before a handle is built.
+
+Every `_metadata` is read through ``read_metadata_bytes``: its header is read and recognised
+first (this library's, Apache Flink's, or unknown), then at most ``MAX_METADATA_BYTES``; a file
+that cannot be opened raises ``UnreadableCheckpointError`` naming it, never a bare errno.
 """
 
 import enum
@@ -21,11 +25,20 @@ from checkpoint_storage._handles import (
 )
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._references import CheckpointedStateScope
-from checkpoint_storage.exceptions import InvalidCheckpointError, UnsafePathError
+from checkpoint_storage.exceptions import (
+    CheckpointIdMismatchError,
+    CheckpointNotFoundError,
+    CheckpointStorageError,
+    ForeignCheckpointError,
+    InvalidCheckpointError,
+    UnreadableCheckpointError,
+    UnsafePathError,
+)
 
 __all__ = [
     "CheckpointMetadata",
     "CheckpointProperties",
+    "MAX_METADATA_BYTES",
     "OperatorState",
     "OperatorSubtaskState",
     "SavepointFormatType",
@@ -170,7 +183,12 @@ MAGIC = b"\x89CKPT\r\n\x1a"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct(">8sHHQI")  # magic, version, flags, body length, body CRC-32
 HEADER_SIZE = _HEADER.size
-MAX_METADATA_SIZE = 256 * 1024 * 1024
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+"""The largest `_metadata` this library writes or reads (inline state included)."""
+FLINK_MAGIC = 0x4960672D
+"""Apache Flink's `_metadata` starts with this big-endian int, then its format version (int)."""
+_FLINK_HEADER = struct.Struct(">iI")
+FLINK = "Apache Flink"
 
 _TAG_BYTES = 1
 _TAG_FILE = 2
@@ -241,6 +259,12 @@ def encode_metadata(metadata: CheckpointMetadata) -> bytes:
             for handle in subtask.handles:
                 _encode_handle(w, handle)
     body = b"".join(w.parts)
+    if HEADER_SIZE + len(body) > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"this _metadata would have {HEADER_SIZE + len(body)} bytes, more than the "
+            f"{MAX_METADATA_BYTES} any reader accepts: keep less state inline (lower "
+            "file_state_size_threshold) or fewer master states"
+        )
     return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body)) + body
 
 
@@ -341,15 +365,115 @@ def invalid(source: str, detail: str) -> InvalidCheckpointError:
     )
 
 
+def check_metadata_header(header: bytes, source: str) -> None:
+    """Recognise the first bytes of a `_metadata` (up to ``HEADER_SIZE`` of them) before its
+    body is read. Raises ``ForeignCheckpointError`` for Apache Flink's format, an unknown
+    format or a newer version of this library's, and ``InvalidCheckpointError`` for a file of
+    this library's too short to hold the header."""
+    if len(header) >= 4 and header[:4] == FLINK_MAGIC.to_bytes(4, "big"):
+        version = _FLINK_HEADER.unpack_from(header)[1] if len(header) >= 8 else None
+        raise ForeignCheckpointError(
+            f"{source} was written by Apache Flink (metadata format version "
+            f"{'unknown' if version is None else version}); this library cannot read it (not a "
+            "valid checkpoint of this library): restore it with Apache Flink; this library "
+            "never deletes or rewrites it",
+            format_name=FLINK,
+            format_version=version,
+        )
+    if len(header) < len(MAGIC) and MAGIC.startswith(header):
+        raise invalid(source, f"{len(header)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    if header[: len(MAGIC)] != MAGIC:
+        raise ForeignCheckpointError(
+            f"{source} is not a valid or complete checkpoint (it starts with "
+            f"{header[:8].hex(' ') or 'nothing'}, neither this library's magic number nor "
+            "Apache Flink's: an unknown format); this library cannot read it and never "
+            "deletes it",
+            format_name="unknown",
+        )
+    if len(header) >= len(MAGIC) + 2:
+        version = int.from_bytes(header[len(MAGIC) : len(MAGIC) + 2], "big")
+        if version > FORMAT_VERSION:
+            raise ForeignCheckpointError(
+                f"{source} is not a valid checkpoint for this library version: format version "
+                f"{version}, this library reads version {FORMAT_VERSION}; upgrade the library "
+                "to read newer checkpoints",
+                format_name="newer version",
+                format_version=version,
+            )
+
+
+def read_metadata_bytes(handle: StreamStateHandle, source: str) -> bytes:
+    """The bytes of a `_metadata`, read safely: the header first (a foreign or newer format is
+    refused before its body is read), then at most ``MAX_METADATA_BYTES``. Raises
+    ``CheckpointNotFoundError`` when it vanished, ``UnreadableCheckpointError`` (naming the
+    file) when it cannot be opened or read, ``InvalidCheckpointError`` when it is too large.
+
+    The caller checked that ``handle`` names a regular file (``resolve_checkpoint_pointer``
+    does), so opening it cannot block on a FIFO.
+    """
+    try:
+        with handle.open() as f:
+            header = _read_up_to(f, HEADER_SIZE)
+            check_metadata_header(header, source)
+            if handle.state_size > MAX_METADATA_BYTES:
+                raise invalid(
+                    source,
+                    f"{handle.state_size} bytes, more than the {MAX_METADATA_BYTES} a "
+                    "`_metadata` may have",
+                )
+            rest = _read_up_to(f, MAX_METADATA_BYTES + 1 - len(header))
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(
+            f"{source} disappeared: the checkpoint was disposed after it was resolved"
+        ) from exc
+    except CheckpointStorageError:
+        raise
+    except OSError as exc:
+        raise unreadable(source, exc) from exc
+    data = header + rest
+    if len(data) > MAX_METADATA_BYTES:
+        raise invalid(source, f"more than the {MAX_METADATA_BYTES} bytes a `_metadata` may have")
+    return data
+
+
+def _read_up_to(f, n: int) -> bytes:
+    parts, remaining = [], n
+    while remaining > 0:
+        chunk = f.read(min(remaining, 1 << 20))
+        if not chunk:
+            break
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
+
+
+def unreadable(source: str, exc: BaseException) -> UnreadableCheckpointError:
+    """The error for a `_metadata` that exists but cannot be opened or read."""
+    reason = getattr(exc, "strerror", None) or " ".join(str(exc).split()) or type(exc).__name__
+    return UnreadableCheckpointError(
+        f"cannot read {source} ({reason}): this says nothing about the checkpoint's validity, "
+        "so it is neither used nor deleted. Make it a readable file (check its permissions, "
+        "or whether it is a link to nowhere) or move the checkpoint directory aside; "
+        "`checkpoints list` shows the other checkpoints"
+    )
+
+
 def decode_metadata(
-    data: bytes, *, source: str, directory: str, roots: PathRoots, filesystem=None
+    data: bytes,
+    *,
+    source: str,
+    directory: str,
+    roots: PathRoots,
+    filesystem=None,
+    checkpoint_id: int | None = None,
 ) -> CheckpointMetadata:
-    """Parse `_metadata` bytes; relative handles resolve against ``directory``."""
+    """Parse `_metadata` bytes; relative handles resolve against ``directory``. With
+    ``checkpoint_id`` (the id of its ``chk-<id>`` directory) the id inside must equal it, else
+    ``CheckpointIdMismatchError`` (checked before any handle path)."""
+    check_metadata_header(data[:HEADER_SIZE], source)
     if len(data) < HEADER_SIZE:
         raise invalid(source, f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, length, crc = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise invalid(source, "wrong magic number")
     if version != FORMAT_VERSION:
         raise invalid(
             source,
@@ -364,6 +488,14 @@ def decode_metadata(
     if zlib.crc32(body) != crc:
         raise invalid(source, "body checksum mismatch")
     r = _Reader(body, source)
+    if checkpoint_id is not None and len(body) >= _U64.size:
+        found = _U64.unpack_from(body)[0]
+        if found != checkpoint_id:
+            raise CheckpointIdMismatchError(
+                f"{source} holds checkpoint {found} but its directory is chk-{checkpoint_id}: "
+                f"a copied or renamed checkpoint directory, skipped (id {found} != "
+                f"{checkpoint_id}); its files are kept. Move it back to chk-{found} or dispose it"
+            )
     try:
         metadata = _decode_body(r, directory, roots, filesystem)
     except (InvalidCheckpointError, UnsafePathError):

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from checkpoint_storage._access import _DirectoryBasedAccess
-from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, PathRoots, join
+from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, PathRoots
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
 from checkpoint_storage._locations import (
     CheckpointStorageLocation,
@@ -17,11 +17,6 @@ from checkpoint_storage._locations import (
 from checkpoint_storage._metadata import CheckpointMetadata, CheckpointProperties
 from checkpoint_storage._retention import CheckpointRetentionPolicy, JobStatus, RestoreMode
 from checkpoint_storage._shared_state import SharedStateRegistry, discard_handles
-from checkpoint_storage.exceptions import (
-    CheckpointNotFoundError,
-    InvalidCheckpointError,
-    UnsafePathError,
-)
 
 __all__ = [
     "CompletedCheckpoint",
@@ -359,16 +354,17 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
         self._recover()
 
     def _recover(self) -> None:
+        # The same rule as discovery: a chk-<id> counts when its `_metadata` validates and
+        # holds checkpoint <id>; invalid, foreign and mismatched ones are skipped with a
+        # warning (never discarded: they are not entries), unreadable ones raise.
         recovered = []
         for checkpoint_id in sorted(self._access._checkpoint_ids()):
-            directory = join(self._access.checkpoints_directory, f"chk-{checkpoint_id}")
-            try:
-                location = self._access.resolve_checkpoint(directory)
-                recovered.append(CompletedCheckpoint.load(location))
-            except CheckpointNotFoundError:
-                continue  # never completed: garbage for collect_garbage
-            except (InvalidCheckpointError, UnsafePathError) as exc:
-                logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
+            loaded = self._access._load_numbered(checkpoint_id)
+            if loaded is not None:
+                location, metadata = loaded
+                recovered.append(
+                    CompletedCheckpoint(location, metadata, not metadata.properties.is_savepoint())
+                )
         with self._lock:
             for checkpoint in recovered:
                 self._register(checkpoint)

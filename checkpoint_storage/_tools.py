@@ -40,10 +40,10 @@ from checkpoint_storage._handles import (
     SegmentFileStateHandle,
     StreamStateHandle,
 )
-from checkpoint_storage._ids import JobID
+from checkpoint_storage._ids import JobID, checkpoint_directory_id, is_job_id
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
 from checkpoint_storage._metadata import (
-    MAX_METADATA_SIZE,
+    FLINK,
     CheckpointMetadata,
     OperatorState,
     OperatorSubtaskState,
@@ -54,8 +54,10 @@ from checkpoint_storage._metadata import (
 from checkpoint_storage._storage import FileSystemCheckpointStorage
 from checkpoint_storage.exceptions import (
     CheckpointNotFoundError,
+    ForeignCheckpointError,
     InvalidCheckpointError,
     StateIntegrityError,
+    UnreadableCheckpointError,
     UnsafePathError,
 )
 
@@ -80,9 +82,7 @@ COPY_PARALLELISM = 4
 LIST_PARALLELISM = 8
 _CHUNK = 1 << 20
 
-_CHK_DIR = re.compile(r"chk-(0|[1-9][0-9]*)")
 _SAVEPOINT_DIR = re.compile(r"savepoint-([0-9a-f]{6})-[0-9a-f]+")
-_JOB_DIR = re.compile(r"[0-9a-f]{32}")
 
 KIND_CHECKPOINT = "checkpoint"
 KIND_FULL_CHECKPOINT = "full checkpoint"
@@ -90,6 +90,9 @@ KIND_SAVEPOINT = "savepoint"
 STATUS_COMPLETED = "completed"
 STATUS_INVALID = "invalid"
 STATUS_IN_PROGRESS = "in-progress"
+STATUS_FOREIGN = "foreign"
+STATUS_UNREADABLE = "unreadable"
+KIND_FLINK = "flink"
 
 _KINDS = {
     SnapshotType.CHECKPOINT: KIND_CHECKPOINT,
@@ -248,7 +251,11 @@ def verify_checkpoint(
 
 
 def dispose_savepoint(
-    pointer: str, *, storage_options: dict | None = None, force: bool = False
+    pointer: str,
+    *,
+    storage_options: dict | None = None,
+    force: bool = False,
+    corrupt: bool = False,
 ) -> None:
     """Delete a savepoint in Flink's order (``Checkpoints.disposeSavepoint``): resolve it,
     load `_metadata` to learn its state, delete `_metadata` first (from then on the savepoint
@@ -260,8 +267,15 @@ def dispose_savepoint(
     A pointer whose `_metadata` says it is a checkpoint is refused (``ValueError``) unless
     ``force``; even then only files inside its own directory are deleted, never the job's
     ``shared/`` or ``taskowned/`` state, which other checkpoints may reference.
+
+    ``corrupt`` disposes a checkpoint or savepoint of this library whose `_metadata` is
+    corrupt (and only such a one: a valid, foreign or unreadable `_metadata` is refused):
+    `_metadata` first, then its own directory, never anything outside it.
     """
     completed = _resolve(pointer, storage_options)
+    if corrupt:
+        _dispose_corrupt(completed)
+        return
     metadata = completed.load_metadata()
     if not metadata.properties.is_savepoint() and not force:
         raise ValueError(
@@ -309,37 +323,58 @@ def dispose_savepoint(
         raise first
 
 
+def corruption_of(completed: CompletedCheckpointStorageLocation) -> InvalidCheckpointError | None:
+    """Why ``completed``'s `_metadata` is corrupt, or None when it is valid. Raises for what
+    is not corruption of this library's format: ``ForeignCheckpointError`` (another system's
+    or a newer format), ``UnreadableCheckpointError`` and I/O errors."""
+    try:
+        completed.load_metadata()
+    except ForeignCheckpointError:
+        raise
+    except (InvalidCheckpointError, UnsafePathError) as exc:
+        return exc
+    return None
+
+
+def _dispose_corrupt(completed: CompletedCheckpointStorageLocation) -> None:
+    problem = corruption_of(completed)
+    if problem is None:
+        raise ValueError(
+            f"{completed.external_pointer} is not corrupt: its _metadata is valid; dispose it "
+            "without the corrupt flag (--corrupt)"
+        )
+    logger.warning("disposing corrupt %s: %s", completed.external_pointer, problem)
+    completed.metadata_handle.discard_state()
+    completed.dispose_storage_location()
+
+
 # --- copy --------------------------------------------------------------------------------
 
 
-def _read_metadata_bytes(completed: CompletedCheckpointStorageLocation) -> bytes:
-    handle = completed.metadata_handle
-    if handle.state_size > MAX_METADATA_SIZE:
-        raise InvalidCheckpointError(
-            f"{completed.external_pointer}/_metadata has {handle.state_size} bytes, more than "
-            f"the {MAX_METADATA_SIZE} a valid `_metadata` may have"
-        )
-    try:
-        with handle.open() as f:
-            return f.read(MAX_METADATA_SIZE + 1)
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(
-            f"{completed.external_pointer}/_metadata disappeared while it was read"
-        ) from exc
+_NAMED_OUTSIDE = 5
 
 
 def _relocatable_metadata(
     metadata: CheckpointMetadata, directory: str, data: bytes
 ) -> tuple[bytes, list[tuple[FileStateHandle, str]]]:
     """The `_metadata` bytes for the copy and each state file with its path relative to the
-    savepoint directory. Absolute handles inside the directory are rewritten as relative ones;
-    absolute handles outside it are refused."""
+    directory. The decision is by content, whatever the properties say: inline handles and
+    files inside the directory copy (absolute ones are rewritten as relative); any file or
+    segment outside it is refused, naming the files."""
     prefix = directory.rstrip("/") + "/"
     files: dict[str, tuple[FileStateHandle, str]] = {}
+    outside: list[str] = []
     rewritten = False
 
     def relocate(handle: StreamStateHandle) -> StreamStateHandle:
         nonlocal rewritten
+        if isinstance(handle, SegmentFileStateHandle) or (
+            isinstance(handle, FileStateHandle)
+            and not isinstance(handle, RelativeFileStateHandle)
+            and not handle.path.startswith(prefix)
+        ):
+            outside.append(handle.path)
+            return handle
         if not isinstance(handle, FileStateHandle):
             return handle
         if isinstance(handle, RelativeFileStateHandle):
@@ -353,11 +388,6 @@ def _relocatable_metadata(
                 handle.state_size,
                 handle.checksum,
                 filesystem=handle.filesystem,
-            )
-        else:
-            raise ValueError(
-                f"state file {handle.path} lies outside the savepoint directory {directory}: "
-                "a copy of the directory would not contain it; refusing to copy"
             )
         previous = files.setdefault(relative, (handle, relative))[0]
         if (previous.state_size, previous.checksum) != (handle.state_size, handle.checksum):
@@ -380,6 +410,15 @@ def _relocatable_metadata(
         )
         for op in metadata.operator_states
     )
+    if outside:
+        named = sorted(set(outside))
+        more = len(named) - _NAMED_OUTSIDE
+        raise ValueError(
+            f"{directory} references {len(named)} state file(s) outside its directory, which "
+            f"a copy of the directory would not contain: {', '.join(named[:_NAMED_OUTSIDE])}"
+            + (f" and {more} more" if more > 0 else "")
+            + "; refusing to copy (take a savepoint, which is self-contained, and copy that)"
+        )
     if rewritten:
         data = encode_metadata(
             CheckpointMetadata(
@@ -428,12 +467,13 @@ def copy_savepoint(
     Every state file is streamed across (verified while read); `_metadata` is published last,
     with put-if-absent, so the copy is complete or invisible; then the copy is verified.
     ``target_storage_options`` default to ``storage_options``. Raises ``FileExistsError`` when
-    the copy's directory exists, ``ValueError`` for a checkpoint (not a savepoint) or a state
-    file outside the savepoint directory.
+    the copy's directory exists and ``ValueError`` naming the state files outside the directory,
+    if any: whether a directory can be copied is decided by its content (inline state and
+    files inside it), not by whether its properties say savepoint or checkpoint.
     """
     completed = _resolve(pointer, storage_options)
     source_dir = completed.external_pointer
-    data = _read_metadata_bytes(completed)
+    data = completed.read_metadata_bytes()
     source_fs = url_to_fs(source_dir, dict(storage_options or {}))[0]
     metadata = decode_metadata(
         data,
@@ -442,11 +482,6 @@ def copy_savepoint(
         roots=completed.roots,
         filesystem=source_fs,
     )
-    if not metadata.properties.is_savepoint():
-        raise ValueError(
-            f"{source_dir} is a {snapshot_kind(metadata)}, not a savepoint: its state may "
-            "live in the job's shared directory; take a savepoint and copy that"
-        )
     data, files = _relocatable_metadata(metadata, source_dir, data)
 
     target_options = dict(
@@ -522,7 +557,10 @@ class CheckpointInfo:
     """One ``chk-<id>`` or ``savepoint-*`` directory found by ``list_checkpoints``.
 
     ``status`` is ``"completed"`` (valid `_metadata`), ``"invalid"`` (`_metadata` present but
-    not valid: ``reason`` says why) or ``"in-progress"`` (no `_metadata` yet, or never).
+    not valid, or of another checkpoint id than its ``chk-<id>``: ``reason`` says why),
+    ``"foreign"`` (Apache Flink's `_metadata`; ``kind`` is ``"flink"``), ``"unreadable"``
+    (`_metadata` exists but cannot be opened) or ``"in-progress"`` (no `_metadata` yet, or
+    never).
     ``state_size`` and ``file_count`` come from `_metadata` for a completed checkpoint (inline
     state included in the size; files counted once); otherwise ``state_size`` is None and
     ``file_count`` is the number of files present in the directory. ``modified`` is when
@@ -584,54 +622,64 @@ def _candidates_in(entries: list[dict], job_id: str | None) -> tuple[list[_Candi
             continue
         path = entry["name"].rstrip("/")
         name = parent_and_name(path)[1]
-        if _CHK_DIR.fullmatch(name) or _SAVEPOINT_DIR.fullmatch(name):
-            found.append(_Candidate(path, name, job_id if _CHK_DIR.fullmatch(name) else None))
-        elif _JOB_DIR.fullmatch(name):
+        if checkpoint_directory_id(name) is not None or _SAVEPOINT_DIR.fullmatch(name):
+            found.append(
+                _Candidate(
+                    path, name, job_id if checkpoint_directory_id(name) is not None else None
+                )
+            )
+        elif is_job_id(name):
             jobs.append(path)
     return found, jobs
 
 
 def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> CheckpointInfo:
     url = to_url(fs, candidate.path)
-    chk = _CHK_DIR.fullmatch(candidate.name)
-    name_id = int(chk.group(1)) if chk else None
-    name_kind = KIND_CHECKPOINT if chk else KIND_SAVEPOINT
+    name_id = checkpoint_directory_id(candidate.name)
+    name_kind = KIND_CHECKPOINT if name_id is not None else KIND_SAVEPOINT
     try:
         entries = _ls(fs, candidate.path)
     except FileNotFoundError:  # deleted while we listed
         entries = []
-    meta_entry = next(
-        (
-            e
-            for e in entries
-            if parent_and_name(e["name"])[1] == METADATA_FILE_NAME and e.get("type") == "file"
-        ),
-        None,
-    )
+    except OSError as exc:  # e.g. no permission to list it: mark the row, go on
+        reason = f"cannot list {url}: {_one_line(exc)}"
+        return CheckpointInfo(
+            url, name_kind, name_id, STATUS_UNREADABLE, candidate.job_id, reason=reason
+        )
+    meta_entry = next((e for e in entries if _is_metadata_entry(e)), None)
+    present = sum(1 for e in entries if e.get("type") == "file" and not _is_metadata_entry(e))
     if meta_entry is None:
-        present = sum(1 for e in entries if e.get("type") == "file")
         return CheckpointInfo(
             url, name_kind, name_id, STATUS_IN_PROGRESS, candidate.job_id, file_count=present
         )
     modified = modification_time(meta_entry)
+
+    def problem(status: str, exc: BaseException, kind: str = name_kind) -> CheckpointInfo:
+        return CheckpointInfo(
+            url,
+            kind,
+            name_id,
+            status,
+            candidate.job_id,
+            reason=_one_line(exc),
+            file_count=present,
+            modified=modified,
+        )
+
     try:
-        metadata = _resolve(url, options).load_metadata()
+        metadata = _resolve(url, options).load_metadata(name_id)
     except CheckpointNotFoundError:  # disposed while we listed
-        present = sum(1 for e in entries if e.get("type") == "file") - 1
         return CheckpointInfo(
             url, name_kind, name_id, STATUS_IN_PROGRESS, candidate.job_id, file_count=present
         )
+    except ForeignCheckpointError as exc:
+        if exc.format_name == FLINK:
+            return problem(STATUS_FOREIGN, exc, KIND_FLINK)
+        return problem(STATUS_INVALID, exc)  # unknown, or damaged beyond recognition: say so
     except (InvalidCheckpointError, UnsafePathError) as exc:
-        return CheckpointInfo(
-            url,
-            name_kind,
-            name_id,
-            STATUS_INVALID,
-            candidate.job_id,
-            reason=_one_line(exc),
-            file_count=sum(1 for e in entries if e.get("type") == "file") - 1,
-            modified=modified,
-        )
+        return problem(STATUS_INVALID, exc)
+    except UnreadableCheckpointError as exc:
+        return problem(STATUS_UNREADABLE, exc)
     job = candidate.job_id or (metadata.job_id.hex if metadata.job_id else None)
     return CheckpointInfo(
         url,
@@ -649,6 +697,11 @@ def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> Ch
         ),
         modified=modified,
     )
+
+
+def _is_metadata_entry(entry: dict) -> bool:
+    """Whatever is named `_metadata` (a file, or a directory, link or FIFO in its place)."""
+    return parent_and_name(entry["name"])[1] == METADATA_FILE_NAME
 
 
 def list_checkpoints(
@@ -673,13 +726,14 @@ def list_checkpoints(
             fs.info(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{to_url(fs, path)} does not exist") from None
-    own_job = name if _JOB_DIR.fullmatch(name) else None
-    if any(
-        parent_and_name(e["name"])[1] == METADATA_FILE_NAME and e.get("type") == "file"
-        for e in entries
-    ):
+    own_job = name if is_job_id(name) else None
+    if any(_is_metadata_entry(e) for e in entries):
         parent_job = parent_and_name(parent)[1]
-        job = parent_job if _CHK_DIR.fullmatch(name) and _JOB_DIR.fullmatch(parent_job) else None
+        job = (
+            parent_job
+            if checkpoint_directory_id(name) is not None and is_job_id(parent_job)
+            else None
+        )
         candidates = [_Candidate(path, name, job)]
     else:
         candidates, jobs = _candidates_in(entries, own_job)
@@ -729,7 +783,7 @@ def job_storage(directory: str, storage_options: dict | None = None):
     options = dict(storage_options or {})
     fs, path = url_to_fs(directory, options)
     base, name = parent_and_name(path)
-    if _JOB_DIR.fullmatch(name) and base:
+    if is_job_id(name) and base:
         storage = FileSystemCheckpointStorage(to_url(fs, base), storage_options=options)
         return storage.create_checkpoint_storage(JobID(name))
     storage = FileSystemCheckpointStorage(

@@ -7,11 +7,15 @@ Commands::
     checkpoints verify POINTER            read every state file, check sizes and checksums
     checkpoints latest DIR                the pointer of a job's latest completed checkpoint
     checkpoints gc DIR                    delete unreferenced files of a job (--dry-run first)
-    checkpoints dispose-savepoint POINTER delete a savepoint, `_metadata` first
+    checkpoints dispose-savepoint POINTER delete a savepoint, `_metadata` first (alias:
+                                          dispose; --corrupt for a corrupt checkpoint)
     checkpoints copy-savepoint POINTER TARGET
                                           copy a savepoint elsewhere (e.g. local disk to S3)
 
-DIR and POINTER are local paths or fsspec URLs (``s3://bucket/cp/<job_id>``). Every command
+DIR and POINTER are local paths, ``file:`` URLs (``file:/abs``, ``file:///abs``,
+``file://localhost/abs``, percent-encoded) or fsspec URLs (``s3://bucket/cp/<job_id>``), under
+the rule a run's ``restore_from`` follows too: a relative path may start with ``./`` or
+``../``; any other ``.`` or ``..`` segment is refused (exit 2). Every command
 prints an aligned table by default and JSON with ``--json``. Progress bars go to stderr, only
 when stderr is a terminal.
 
@@ -24,16 +28,18 @@ printed, not in errors and not in JSON; credentials belong in the environment an
 
 Exit codes::
 
-    0  success
-    1  verify found a missing or corrupt state file; gc or dispose-savepoint could not delete
-       everything it tried to
+    0  success (gc: also when there was nothing to delete)
+    1  verify reported problems (a missing, corrupt or unreadable state file); gc or
+       dispose-savepoint could not delete everything it tried to
     2  usage error: bad arguments or options, or a refused operation (e.g. dispose-savepoint
        of a checkpoint without --force)
     3  not found: no checkpoint at POINTER, DIR does not exist, or (latest) no completed
        checkpoint
-    4  invalid or corrupt checkpoint: `_metadata` is truncated, corrupt or unsafe
-    5  any other error, e.g. an I/O error of the storage (verify: only I/O errors, no
-       verdict on the files)
+    4  invalid, corrupt or foreign checkpoint: `_metadata` is truncated, corrupt, unsafe,
+       of another checkpoint id than its chk-<id>, or written by another system (Apache
+       Flink) or a newer version; gc: it kept checkpoints like that (and named them)
+    5  any other error, e.g. an I/O error of the storage or a `_metadata` that cannot be
+       opened (gc: it kept such checkpoints)
 
 Errors are one line on stderr: ``checkpoints: error: <message>``.
 """
@@ -51,7 +57,13 @@ import time
 from datetime import UTC, datetime, timedelta
 
 from checkpoint_storage._access import resolve_checkpoint_pointer
-from checkpoint_storage._filesystems import check_pointer, format_size, parent_and_name, url_to_fs
+from checkpoint_storage._filesystems import (
+    format_size,
+    normalize_pointer,
+    parent_and_name,
+    url_to_fs,
+)
+from checkpoint_storage._gc import SKIPPED_UNREADABLE
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
     FileStateHandle,
@@ -63,6 +75,7 @@ from checkpoint_storage._metadata import CheckpointMetadata
 from checkpoint_storage._tools import (
     CheckpointInfo,
     copy_savepoint,
+    corruption_of,
     dispose_savepoint,
     job_storage,
     latest_checkpoint,
@@ -94,12 +107,12 @@ storage options:
   VALUE is parsed as JSON when it parses, else taken as text. Values are never printed.
 
 exit codes:
-  0  success
-  1  verify found problems; gc or dispose-savepoint could not delete everything
+  0  success (gc: also when there was nothing to delete)
+  1  verify reported problems; gc or dispose-savepoint could not delete everything
   2  usage error (bad arguments, or a refused operation)
   3  checkpoint or directory not found (latest: no completed checkpoint)
-  4  invalid or corrupt checkpoint
-  5  other error (e.g. storage I/O)
+  4  invalid, corrupt or foreign (e.g. Apache Flink's) checkpoint; gc kept such ones
+  5  other error (e.g. storage I/O, a _metadata that cannot be opened)
 """
 
 
@@ -329,14 +342,15 @@ class _Spinner:
 
 
 def _location(arg: str) -> str:
-    """A DIR/POINTER/TARGET argument: local paths become absolute (so ``./cp`` and ``..``
-    work), URLs are checked for ``.``/``..`` segments."""
+    """A DIR/POINTER/TARGET argument under the library's one pointer rule
+    (``normalize_pointer``: ``file:`` URLs, relative paths, no '.'/'..' inside), after ``~``
+    expansion as a shell does."""
     if not arg or not arg.strip():
         raise UsageError("an empty path was given")
-    if "://" not in arg:
-        arg = os.path.abspath(os.path.expanduser(arg))
+    if arg.startswith("~"):
+        arg = os.path.expanduser(arg)
     try:
-        return check_pointer(arg)
+        return normalize_pointer(arg)
     except (UnsafePathError, ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
 
@@ -411,9 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
-    def command(name: str, help_text: str, description: str, **kwargs):
+    def command(name: str, help_text: str, description: str, aliases=(), **kwargs):
         sub = commands.add_parser(
             name,
+            aliases=list(aliases),
             help=help_text,
             description=textwrap.fill(description, 88),
             epilog=EPILOG,
@@ -448,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         "read every state file and check sizes and checksums",
         "Read every state file POINTER references and check its size and CRC-32. Exits 1 "
-        "naming each missing or corrupt file; 4 if _metadata itself is invalid. JSON keys: "
+        "naming each missing, corrupt or unreadable file; 4 if _metadata itself is invalid. "
+        "JSON keys: "
         "pointer, checkpoint_id, ok, handles_checked, bytes_read, problems (path, kind, "
         "reason).",
     )
@@ -470,12 +486,22 @@ def build_parser() -> argparse.ArgumentParser:
         "delete unreferenced files of a job",
         "Delete the files under the job directory DIR (<base>/<job_id>) that no retained "
         "checkpoint or savepoint references and that are older than the grace period. "
-        "Never touches referenced files, taskowned/ or savepoints. JSON keys: dry_run, "
-        "deleted, kept, bytes_deleted.",
+        "Never touches referenced files, taskowned/ or savepoints. A checkpoint whose "
+        "_metadata cannot be read (Apache Flink's or another format, corrupt, of another id "
+        "than its chk-<id>, or unreadable) keeps all its files, and while there is one "
+        "nothing in shared/ is collected; gc names each and exits 4 (5 if only unreadable "
+        "ones). JSON keys: dry_run, deleted, kept, bytes_deleted, removed_directories, "
+        "skipped (pointer, metadata, reason, detail).",
     )
     sub.add_argument("directory", metavar="DIR")
     sub.add_argument(
         "--dry-run", action="store_true", help="print what would be deleted; delete nothing"
+    )
+    sub.add_argument(
+        "--delete-corrupt",
+        action="store_true",
+        help="also delete checkpoints of this library whose _metadata is corrupt (after the "
+        "grace period); foreign, mismatched and unreadable ones are never deleted",
     )
     sub.add_argument(
         "--grace-period",
@@ -488,16 +514,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub = command(
         "dispose-savepoint",
-        "delete a savepoint (_metadata first)",
+        "delete a savepoint (_metadata first); alias: dispose",
         "Delete the savepoint POINTER in Flink's order: _metadata first (from then on it is "
         "no longer addressable), then its state files, then its directory. Refuses a "
-        "checkpoint unless --force. Exits 1 if some files could not be deleted.",
+        "checkpoint unless --force. With --corrupt, deletes a checkpoint or savepoint of "
+        "this library whose _metadata is corrupt (and refuses any other): _metadata first, "
+        "then its own directory. Exits 1 if some files could not be deleted.",
+        aliases=["dispose"],
     )
     sub.add_argument("pointer", metavar="POINTER")
     sub.add_argument(
         "--force",
         action="store_true",
         help="dispose even if _metadata says it is a checkpoint (its shared state is kept)",
+    )
+    sub.add_argument(
+        "--corrupt",
+        action="store_true",
+        help="dispose a checkpoint whose _metadata is corrupt (only such a one); its "
+        "directory goes, shared state stays for gc",
     )
     sub.set_defaults(handler=_cmd_dispose)
 
@@ -808,7 +843,7 @@ def _cmd_verify(args, options: dict) -> int:
         f"verification of {report.pointer} found {_count(len(report.problems), 'problem')}; "
         f"first: {first.reason}"
     )
-    return EXIT_PROBLEMS if verdicts else EXIT_ERROR
+    return EXIT_PROBLEMS
 
 
 def _cmd_latest(args, options: dict) -> int:
@@ -848,7 +883,12 @@ def _cmd_gc(args, options: dict) -> int:
         return EXIT_ERROR
     with _Spinner("collecting garbage"):
         try:
-            result = collect_garbage(access, grace_period=grace, dry_run=args.dry_run)
+            result = collect_garbage(
+                access,
+                grace_period=grace,
+                dry_run=args.dry_run,
+                delete_corrupt=args.delete_corrupt,
+            )
         except (FileNotFoundError, ValueError, InvalidCheckpointError):
             raise
         except OSError as exc:
@@ -862,6 +902,16 @@ def _cmd_gc(args, options: dict) -> int:
                 "kept": list(result.kept),
                 "bytes_deleted": result.bytes_deleted,
                 "removed_directories": list(getattr(result, "removed_directories", ())),
+                "skipped": [
+                    {
+                        "pointer": s.pointer,
+                        "metadata": s.metadata,
+                        "reason": s.reason,
+                        "detail": s.detail,
+                    }
+                    for s in result.skipped
+                ],
+                "shared_collected": result.shared_collected,
             }
         )
     else:
@@ -869,7 +919,18 @@ def _cmd_gc(args, options: dict) -> int:
         print(f"{directory}: {result.summary()}")
         for url in result.deleted:
             print(f"  {verb}: {url}")
-    return EXIT_OK
+        for s in result.skipped:
+            print(f"  kept ({s.reason}): {s.pointer}: {s.detail}")
+    if not result.skipped:
+        return EXIT_OK
+    first = result.skipped[0]
+    _error(
+        f"gc of {directory} kept {_count(len(result.skipped), 'checkpoint')} whose _metadata "
+        f"it cannot read, and shared/: first {first.metadata} ({first.reason}): {first.detail}"
+    )
+    if all(s.reason == SKIPPED_UNREADABLE for s in result.skipped):
+        return EXIT_ERROR
+    return EXIT_INVALID
 
 
 def _cmd_dispose(args, options: dict) -> int:
@@ -877,6 +938,27 @@ def _cmd_dispose(args, options: dict) -> int:
     # Resolve and load first: "not found" (3), "corrupt" (4) and I/O errors before anything is
     # deleted (5) keep their exit codes; only failures while deleting are exit 1.
     completed = resolve_checkpoint_pointer(pointer, options)
+    if args.corrupt:
+        problem = corruption_of(completed)  # raises for foreign (4) and unreadable (5)
+        if problem is None:
+            raise UsageError(
+                f"{completed.external_pointer} is not corrupt (its _metadata is valid): "
+                "--corrupt only disposes a checkpoint whose _metadata is corrupt"
+            )
+        try:
+            dispose_savepoint(completed.external_pointer, storage_options=options, corrupt=True)
+        except FileNotFoundError:
+            raise
+        except (InvalidCheckpointError, UnsafePathError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - deletion failures: exit 1
+            _error(f"disposing {completed.external_pointer} failed: {_one_line(exc)}")
+            return EXIT_PROBLEMS
+        if args.json:
+            _print_json({"pointer": completed.external_pointer, "disposed": True})
+        else:
+            print(f"disposed corrupt {completed.external_pointer} ({_one_line(problem)})")
+        return EXIT_OK
     metadata = completed.load_metadata()
     if not metadata.properties.is_savepoint() and not args.force:
         raise UsageError(

@@ -6,6 +6,11 @@ The tree::
     ├── UnsafePathError (ValueError)        a pointer or handle path leaves the configured roots
     ├── InvalidCheckpointError (ValueError) `_metadata` is truncated, corrupt, foreign or from an
     │   │                                   unknown format version: not a valid checkpoint
+    │   ├── ForeignCheckpointError          `_metadata` in a format this library cannot read:
+    │   │                                   Apache Flink's (magic 0x4960672d), an unknown one, or
+    │   │                                   a newer version of this library's; never deleted
+    │   ├── CheckpointIdMismatchError       `_metadata` of checkpoint m in a directory chk-n
+    │   │                                   (n != m): a copied or renamed directory; never deleted
     │   └── StateIntegrityError             a state file's size or checksum differs from its handle
     ├── UnsupportedFileSystemError (ValueError)
     │                                       the filesystem cannot publish `_metadata` atomically
@@ -20,6 +25,9 @@ The tree::
     │                                       `_metadata` already exists: another writer committed
     ├── CheckpointCommitFailedError (OSError)
     │                                       publishing `_metadata` failed; nothing was published
+    ├── UnreadableCheckpointError (OSError) `_metadata` exists but cannot be opened or read
+    │                                       (permission, symbolic link loop, a directory or FIFO
+    │                                       in its place): no verdict on the checkpoint
     ├── CommitStateUnknownError (OSError)   publishing `_metadata` may or may not have happened and
     │                                       reading it back could not tell: inspect before retrying
     ├── StateSizeExceededError (OSError)    a state is larger than the memory storage allows
@@ -34,12 +42,15 @@ __all__ = [
     "CheckpointCommitFailedError",
     "CheckpointNotFoundError",
     "CheckpointStorageError",
+    "CheckpointIdMismatchError",
     "CommitStateUnknownError",
+    "ForeignCheckpointError",
     "InvalidCheckpointError",
     "StateIntegrityError",
     "StateSizeExceededError",
     "StorageConfigurationError",
     "StreamClosedError",
+    "UnreadableCheckpointError",
     "UnsafePathError",
     "UnsupportedFileSystemError",
 ]
@@ -55,6 +66,27 @@ class UnsafePathError(CheckpointStorageError, ValueError):
 
 class InvalidCheckpointError(CheckpointStorageError, ValueError):
     """The bytes are not a valid, complete checkpoint (`_metadata` or state)."""
+
+
+class ForeignCheckpointError(InvalidCheckpointError):
+    """`_metadata` was written by another system (Apache Flink, or an unknown format) or by a
+    newer version of this library: this library cannot read it, so it cannot tell what the
+    checkpoint references. Such a checkpoint is skipped and never deleted.
+
+    ``format_name`` is ``"Apache Flink"``, ``"newer version"`` (of this library's format) or
+    ``"unknown"``; ``format_version`` the version the header names, when it names one."""
+
+    def __init__(
+        self, message: str, *, format_name: str = "unknown", format_version: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.format_name = format_name
+        self.format_version = format_version
+
+
+class CheckpointIdMismatchError(InvalidCheckpointError):
+    """The id inside `_metadata` differs from its directory's ``chk-<id>`` (a copied or
+    renamed checkpoint directory). Skipped by discovery and recovery; never deleted by GC."""
 
 
 class StateIntegrityError(InvalidCheckpointError):
@@ -75,6 +107,12 @@ class CheckpointAlreadyExistsError(CheckpointStorageError, FileExistsError):
 
 class CheckpointCommitFailedError(CheckpointStorageError, OSError):
     """Publishing `_metadata` failed and nothing was published; retrying is safe."""
+
+
+class UnreadableCheckpointError(CheckpointStorageError, OSError):
+    """`_metadata` exists but cannot be opened or read (permission, a symbolic link loop, a
+    directory, FIFO or device in its place). The message names the file and what to do; it
+    says nothing about whether the checkpoint is valid, so nothing is deleted because of it."""
 
 
 class CommitStateUnknownError(CheckpointStorageError, OSError):

@@ -1,6 +1,7 @@
 """Helpers shared by the checkpoint_storage test suites."""
 
 import random
+import uuid
 
 import fsspec
 
@@ -72,3 +73,37 @@ def finalize(location, md: CheckpointMetadata):
 
 def loaded_handles(md: CheckpointMetadata):
     return list(md.operator_states[0].subtask_states[0].handles)
+
+
+# --- Apache Flink test data ------------------------------------------------------------------
+
+FLINK_MAGIC_BYTES = bytes.fromhex("4960672d")
+
+
+def flink_metadata(version: int = 6, seed: int = 0, size: int = 600) -> bytes:
+    """A `_metadata` as Apache Flink writes it: the magic number 0x4960672d, the format version
+    as a big-endian int, then (here arbitrary) serialized checkpoint metadata."""
+    return FLINK_MAGIC_BYTES + version.to_bytes(4, "big") + payload(size, seed)
+
+
+def make_flink_job_directory(fs, job_url: str, ids=(3, 5, 6), shared_files: int = 13) -> set[str]:
+    """Lay out what an Apache Flink 2.x job with RocksDB incremental checkpoints leaves on
+    storage: ``chk-<id>/_metadata`` (Flink's format) plus exclusive files per retained
+    checkpoint, ``shared/`` SST files and an empty ``taskowned/``. Returns the URLs of every
+    file written (``job_url`` is a canonical URL of ``fs``)."""
+    written = []
+
+    def put(url: str, data: bytes) -> None:
+        path = type(fs)._strip_protocol(url)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)
+        written.append(url)
+
+    fs.makedirs(type(fs)._strip_protocol(f"{job_url}/taskowned"), exist_ok=True)
+    for checkpoint_id in ids:
+        put(f"{job_url}/chk-{checkpoint_id}/_metadata", flink_metadata(6, checkpoint_id))
+        put(f"{job_url}/chk-{checkpoint_id}/{uuid.uuid4()}", payload(300, checkpoint_id + 100))
+    for index in range(shared_files):
+        put(f"{job_url}/shared/{uuid.uuid4()}", payload(1000 + index, index))
+    fs.invalidate_cache()
+    return set(written)

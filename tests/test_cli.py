@@ -25,7 +25,9 @@ from checkpoint_storage import (
     OperatorSubtaskState,
     load_checkpoint_metadata,
 )
-from tests.support import finalize, payload, read, write_state
+from checkpoint_storage._access import resolve_checkpoint_pointer
+from checkpoint_storage.exceptions import UnsafePathError
+from tests.support import finalize, make_flink_job_directory, payload, read, write_state
 
 ROOT = Path(__file__).resolve().parent.parent
 EXECUTABLE = Path(sys.executable).parent / "checkpoints"
@@ -58,13 +60,13 @@ def environment(extra: dict | None = None) -> dict:
     return env
 
 
-def run(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+def run(*args, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [*command(), *map(str, args)],
         capture_output=True,
         text=True,
         env=environment(env),
-        cwd=ROOT,
+        cwd=cwd,
         timeout=90,
     )
 
@@ -558,14 +560,24 @@ def test_gc_dry_run_lists_orphans_then_gc_deletes_them(layout):
     referenced = state_files(layout.chk1) + state_files(layout.chk2)
 
     dry = run("gc", layout.job_dir, "--dry-run", "--grace-period", "1h")
-    assert 0 == dry.returncode
+    assert 4 == dry.returncode
     assert f"would delete: {orphan}" in dry.stdout
     assert orphan.exists()
 
     real = run("gc", layout.job_dir, "--grace-period", "1h", "--json")
     doc = json.loads(real.stdout)
-    assert 0 == real.returncode
-    assert ["dry_run", "deleted", "kept", "bytes_deleted", "removed_directories"] == list(doc)
+    # issue 13: chk-4's _metadata cannot be read, so gc keeps it (and shared/) and exits 4
+    assert 4 == real.returncode
+    assert [
+        "dry_run",
+        "deleted",
+        "kept",
+        "bytes_deleted",
+        "removed_directories",
+        "skipped",
+        "shared_collected",
+    ] == list(doc)
+    assert [layout.chk4.external_pointer] == [s["pointer"] for s in doc["skipped"]]
     assert (False, [str(orphan)], 4096) == (doc["dry_run"], doc["deleted"], doc["bytes_deleted"])
     assert not orphan.exists()
     assert all(Path(p).exists() for p in referenced)
@@ -581,3 +593,203 @@ def test_gc_needs_a_job_directory(layout):
     assert (2, 3) == (wrong.returncode, missing.returncode)
     error_line(wrong)
     error_line(missing)
+
+
+# --------------------------------------------------------------------------------------------
+#  trust (issue 13): foreign and corrupt checkpoints, pointers, exit codes
+# --------------------------------------------------------------------------------------------
+
+
+def flink_job(tmp_path: Path) -> tuple[Path, set[str]]:
+    import fsspec
+
+    job = tmp_path / "flink" / ("f" * 32)
+    return job, make_flink_job_directory(fsspec.filesystem("file"), str(job))
+
+
+def files_below(directory: Path) -> set[str]:
+    return {str(p) for p in directory.rglob("*") if p.is_file()}
+
+
+def flip_last_byte(path: str) -> None:
+    data = bytearray(Path(path).read_bytes())
+    data[-1] ^= 1
+    Path(path).write_bytes(bytes(data))
+
+
+def test_gc_of_a_flink_job_directory_deletes_nothing_names_each_file_and_exits_4(tmp_path):
+    """`gc --grace-period 0s [--dry-run]` in Flink's job directory deletes no file, names every
+    `_metadata` as Flink's with its version, and exits 4."""
+    job, written = flink_job(tmp_path)
+
+    dry = run("gc", job, "--grace-period", "0s", "--dry-run")
+    real = run("gc", job, "--grace-period", "0s", "--json")
+
+    assert (4, 4) == (dry.returncode, real.returncode)
+    assert dry.stdout.startswith(f"{job}: dry run: would delete 0 files (0 bytes); kept 19 files")
+    for checkpoint_id in (3, 5, 6):
+        assert (
+            f"kept (foreign): {job}/chk-{checkpoint_id}: {job}/chk-{checkpoint_id}/_metadata was "
+            "written by Apache Flink (metadata format version 6)"
+        ) in dry.stdout
+    assert f"first {job}/chk-3/_metadata (foreign)" in error_line(real)
+    assert ([], False) == (
+        json.loads(real.stdout)["deleted"],
+        json.loads(real.stdout)["shared_collected"],
+    )
+    assert written == files_below(job)
+
+
+def test_inspect_and_list_name_flinks_metadata(tmp_path):
+    """`inspect` of Flink's `_metadata` exits 4 saying who wrote it; `list` shows its rows as
+    Flink's (kind flink, status foreign), exit 0."""
+    job, _ = flink_job(tmp_path)
+
+    inspect = run("inspect", job / "chk-5" / "_metadata")
+    listing = run("list", job, "--json")
+
+    assert 4 == inspect.returncode
+    assert (
+        f"checkpoints: error: {job}/chk-5/_metadata was written by Apache Flink (metadata "
+        "format version 6); this library cannot read it"
+    ) in error_line(inspect)
+    assert 0 == listing.returncode
+    assert [(i, "flink", "foreign") for i in (3, 5, 6)] == [
+        (e["checkpoint_id"], e["kind"], e["status"]) for e in json.loads(listing.stdout)
+    ]
+
+
+def test_file_urls_are_local_paths(layout):
+    """`file:/abs`, `file://localhost/abs` and percent-encoded `file:///` URLs name the local
+    checkpoint (inspect exits 0 with its plain path as pointer)."""
+    path = layout.chk2.external_pointer
+    moved = Path(layout.base.parent / "a b%")
+    Path(layout.base).rename(moved)
+    path = str(moved / JOB.hex / "chk-2")
+    encoded = path.replace("%", "%25").replace(" ", "%20")
+
+    results = [
+        run("inspect", "--json", url)
+        for url in (f"file:{encoded}", f"file://localhost{encoded}", f"file://{encoded}")
+    ]
+
+    assert [(0, path)] * 3 == [(r.returncode, json.loads(r.stdout)["pointer"]) for r in results]
+
+
+def test_dot_segments_follow_the_library_rule_with_advice(layout):
+    """'..' inside a pointer is refused (exit 2) with the very message `restore_from` gets; a
+    relative path starting with ../ works from its directory."""
+    inner = f"{layout.job_dir}/chk-1/../chk-2"
+    with pytest.raises(UnsafePathError) as library:
+        resolve_checkpoint_pointer(inner, None)
+
+    refused = run("inspect", inner)
+    relative = run("inspect", "--json", "../chk-2", cwd=layout.job_dir / "chk-1")
+
+    assert 2 == refused.returncode
+    assert f"checkpoints: error: {library.value}" == error_line(refused)
+    assert f"write it as {layout.job_dir}/chk-2" in error_line(refused)
+    assert (0, layout.chk2.external_pointer) == (
+        relative.returncode,
+        json.loads(relative.stdout)["pointer"],
+    )
+
+
+def test_a_job_directory_given_to_inspect_or_verify_suggests_latest(layout):
+    """`inspect`/`verify` of a job directory exit 3 and suggest `checkpoints latest DIR`."""
+    for name in ("inspect", "verify"):
+        result = run(name, layout.job_dir)
+
+        assert 3 == result.returncode
+        assert f"`checkpoints latest {layout.job_dir}`" in error_line(result)
+        assert "does not exist" not in error_line(result)
+
+
+def test_verify_exits_1_on_an_unreadable_state_file(layout):
+    """A state file replaced by a directory is a reported problem ("unreadable"): exit 1."""
+    state = state_files(layout.chk2)[0]
+    os.remove(state)
+    os.mkdir(state)
+
+    result = run("verify", layout.chk2.external_pointer, "--json")
+
+    assert 1 == result.returncode
+    assert ["unreadable"] == [p["kind"] for p in json.loads(result.stdout)["problems"]]
+
+
+def test_gc_with_nothing_to_delete_exits_0(tmp_path):
+    """A job directory without garbage: exit 0, nothing deleted."""
+    storage = FileSystemCheckpointStorage(str(tmp_path / "cp"), file_state_size_threshold=THRESHOLD)
+    access = storage.create_checkpoint_storage(JOB)
+    access.initialize_base_locations()
+    write_checkpoint(access, 1, (2048,))
+
+    result = run("gc", tmp_path / "cp" / JOB.hex, "--grace-period", "0s")
+
+    assert (0, "") == (result.returncode, result.stderr)
+    assert "deleted 0 files (0 bytes); kept 2 files" in result.stdout
+
+
+def test_gc_deletes_a_corrupt_checkpoint_only_with_delete_corrupt(tmp_path):
+    """A checkpoint of ours with a corrupt `_metadata`: gc keeps it and exits 4; with
+    --delete-corrupt it is deleted and gc exits 0."""
+    storage = FileSystemCheckpointStorage(str(tmp_path / "cp"), file_state_size_threshold=THRESHOLD)
+    access = storage.create_checkpoint_storage(JOB)
+    access.initialize_base_locations()
+    write_checkpoint(access, 1, (2048,))
+    corrupt, _ = write_checkpoint(access, 2, (2048,))
+    flip_last_byte(corrupt.metadata_handle.path)
+    job = tmp_path / "cp" / JOB.hex
+    files = files_below(Path(corrupt.external_pointer))
+
+    kept = run("gc", job, "--grace-period", "0s")
+    assert 4 == kept.returncode
+    assert f"kept (corrupt): {corrupt.external_pointer}" in kept.stdout
+    assert files == files_below(Path(corrupt.external_pointer))
+
+    deleted = run("gc", job, "--grace-period", "0s", "--delete-corrupt", "--json")
+    assert (0, sorted(files)) == (deleted.returncode, json.loads(deleted.stdout)["deleted"])
+
+
+def test_dispose_corrupt_removes_only_a_corrupt_checkpoint(layout):
+    """`dispose --corrupt` removes a corrupt checkpoint of ours (exit 0) and refuses a valid
+    one (exit 2, nothing deleted)."""
+    corrupt, _ = write_checkpoint(layout.access, 5, (2048,))
+    flip_last_byte(corrupt.metadata_handle.path)
+
+    disposed = run("dispose", corrupt.external_pointer, "--corrupt")
+    refused = run("dispose-savepoint", layout.chk1.external_pointer, "--corrupt")
+
+    assert (0, 2) == (disposed.returncode, refused.returncode)
+    assert not Path(corrupt.external_pointer).exists()
+    assert "is not corrupt" in error_line(refused)
+    assert Path(layout.chk1.metadata_handle.path).exists()
+
+
+def test_copy_savepoint_copies_a_checkpoint_whose_files_lie_inside_it(layout, tmp_path):
+    """copy-savepoint of chk-2 (its files all inside it, properties say checkpoint) exits 0
+    and the copy verifies."""
+    result = run("copy-savepoint", layout.chk2.external_pointer, tmp_path / "copies")
+    verify = run("verify", result.stdout.strip())
+
+    assert (0, 0) == (result.returncode, verify.returncode)
+    assert str(tmp_path / "copies" / "chk-2") == result.stdout.strip()
+
+
+@pytest.mark.timeout(60)
+def test_an_unopenable_newest_metadata_is_named_and_list_goes_on(layout):
+    """A newest `_metadata` that is a symbolic link loop: `latest` exits 5 naming it (no bare
+    errno); `list` marks the row unreadable and exits 0."""
+    chk7 = layout.job_dir / "chk-7"
+    chk7.mkdir()
+    os.symlink(chk7 / "_metadata", chk7 / "_metadata")
+
+    latest = run("latest", layout.job_dir)
+    listing = run("list", layout.job_dir, "--json")
+
+    assert 5 == latest.returncode
+    assert error_line(latest).startswith(f"checkpoints: error: cannot read {chk7}/_metadata (")
+    assert 0 == listing.returncode
+    assert (7, "unreadable") == tuple(
+        (e["checkpoint_id"], e["status"]) for e in json.loads(listing.stdout)
+    )[-1]

@@ -374,12 +374,16 @@ def test_copy_savepoint_refuses_an_existing_target(backend):
     assert verify_checkpoint(access.resolve_checkpoint(pointer)).ok
 
 
-def test_copy_refuses_a_checkpoint(backend):
-    """A checkpoint (whose state may be in shared/) is not copied: ValueError."""
+def test_copy_refuses_a_checkpoint_with_state_in_shared(backend):
+    """A checkpoint whose state lies in shared/ is not copied: ValueError naming the file
+    (issue 13: decided by content, not by the properties)."""
     access = storage(backend).create_checkpoint_storage(JOB_A)
-    completed, _ = checkpoint(access, 4)
+    access.initialize_base_locations()
+    location = access.initialize_location_for_checkpoint(4)
+    shared = write_state(location, payload(2048, 1), SHARED)
+    completed = finalize(location, metadata(4, [shared]))
 
-    with pytest.raises(ValueError, match="not a savepoint"):
+    with pytest.raises(ValueError, match=f"outside its directory.*{shared.path}"):
         copy_savepoint(
             completed.external_pointer,
             backend.url("c"),

@@ -250,16 +250,19 @@ def build_integrity_check(pipeline: StatefulPipeline) -> dg.AssetChecksDefinitio
             found = list_checkpoints(directory, storage_options=storage.storage_options)
         except FileNotFoundError:
             found = []
-        with_metadata = [c for c in found if c.status in ("completed", "invalid")]
+        # Every checkpoint with a `_metadata`, whatever state it is in: the newest must be
+        # a valid one of ours (not corrupt, foreign or unreadable).
+        with_metadata = [c for c in found if c.status != "in-progress"]
         if not with_metadata:
             return dg.AssetCheckResult(
                 passed=False, description=f"no completed checkpoint in {directory}"
             )
         newest = with_metadata[-1]
-        if newest.status == "invalid":
+        if not newest.completed:
             return dg.AssetCheckResult(
                 passed=False,
-                description=f"the newest checkpoint {newest.pointer} is invalid: {newest.reason}",
+                description=f"the newest checkpoint {newest.pointer} is {newest.status}: "
+                f"{newest.reason}",
                 metadata={"checkpoint_pointer": dg.MetadataValue.path(newest.pointer)},
             )
         location = runner.access.resolve_checkpoint(newest.pointer)

@@ -158,6 +158,12 @@ class RetentionReport:
             "deleted_savepoints": dg.MetadataValue.json(self.deleted_savepoints),
             "savepoint_bytes_deleted": self.savepoint_bytes_deleted,
             "kept_in_use": dg.MetadataValue.json(self.kept_in_use),
+            # Checkpoints whose `_metadata` could not be read (foreign, corrupt, unreadable):
+            # all their files and shared/ were kept; someone has to look at them.
+            "unreadable_checkpoints": dg.MetadataValue.json(
+                [{"pointer": c.pointer, "reason": c.reason, "detail": c.detail}
+                 for c in self.garbage.skipped]
+            ),
             "deferred": self.deferred or "no",
             "summary": self.summary(),
         }
@@ -380,7 +386,9 @@ def build_retention_sensor(
             }
         )
         context.log.info(report.summary())
-        if not report.deleted_anything:
+        for skipped in report.garbage.skipped:
+            context.log.warning(f"kept {skipped.pointer} whole: {skipped.detail}")
+        if not report.deleted_anything and not report.garbage.skipped:
             return dg.SensorResult(
                 skip_reason=dg.SkipReason(f"nothing to delete: {report.summary()}"),
                 cursor=cursor,
@@ -389,7 +397,11 @@ def build_retention_sensor(
             cursor=cursor,
             asset_events=[
                 dg.AssetObservation(
-                    name, description="retention deleted storage", metadata=report.metadata()
+                    name,
+                    description="retention deleted storage"
+                    if report.deleted_anything
+                    else "retention kept checkpoints it cannot read",
+                    metadata=report.metadata(),
                 )
             ],
         )

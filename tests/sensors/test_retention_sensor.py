@@ -207,3 +207,27 @@ def test_an_io_error_fails_the_tick(tmp_path, monkeypatch):
         chain.append(type(error))
         error = error.__cause__
     assert PermissionError in chain
+
+
+def test_a_flink_job_directory_is_kept_whole_and_reported(tmp_path):
+    """Apache Flink's checkpoints in the pipeline's job directory: the tick deletes none of
+    their files (however old) and reports each one it could not read on the observation."""
+    import fsspec
+
+    from tests.support import make_flink_job_directory
+
+    resource = storage_resource(tmp_path)
+    job = pipeline_access(resource).checkpoints_directory
+    written = make_flink_job_directory(fsspec.filesystem("file"), job)
+    for url in written:
+        age(Path(url), 3 * DAY)
+    before = files_below(tmp_path)
+
+    with dg.instance_for_test() as instance:
+        result = evaluate(retention_sensor(POLICY), instance, resource)
+
+    assert before == files_below(tmp_path)
+    (observation,) = result.asset_events
+    unreadable = observation.metadata["unreadable_checkpoints"].value
+    assert [f"{job}/chk-{i}" for i in (3, 5, 6)] == sorted(c["pointer"] for c in unreadable)
+    assert {"foreign"} == {c["reason"] for c in unreadable}

@@ -30,6 +30,13 @@ from checkpoint_storage._handles import (
     StreamStateHandle,
 )
 from checkpoint_storage._ids import JobID
+from checkpoint_storage._lease import (
+    DEFAULT_LEASE_TTL,
+    JobLease,
+    LeaseRecord,
+    break_job_lease,
+    read_job_lease,
+)
 from checkpoint_storage._locations import (
     CheckpointMetadataOutputStream,
     CheckpointStorageLocation,
@@ -84,6 +91,9 @@ from checkpoint_storage.exceptions import (
     CheckpointStorageError,
     CommitStateUnknownError,
     InvalidCheckpointError,
+    JobLeaseError,
+    JobLeaseHeldError,
+    JobLeaseLostError,
     StateIntegrityError,
     StateSizeExceededError,
     StorageConfigurationError,
@@ -93,6 +103,7 @@ from checkpoint_storage.exceptions import (
 )
 
 __all__ = [
+    "DEFAULT_LEASE_TTL",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
     "CheckpointCommitFailedError",
@@ -125,7 +136,12 @@ __all__ = [
     "GarbageCollectionResult",
     "InvalidCheckpointError",
     "JobID",
+    "JobLease",
+    "JobLeaseError",
+    "JobLeaseHeldError",
+    "JobLeaseLostError",
     "JobStatus",
+    "LeaseRecord",
     "LogicalFile",
     "MemoryCheckpointStorage",
     "OperatorState",
@@ -151,6 +167,7 @@ __all__ = [
     "VerificationProblem",
     "VerificationReport",
     "abort_checkpoint",
+    "break_job_lease",
     "collect_garbage",
     "copy_savepoint",
     "create_file_merging_snapshot_manager",
@@ -161,6 +178,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_metadata",
+    "read_job_lease",
     "store_checkpoint_metadata",
     "verify_checkpoint",
 ]

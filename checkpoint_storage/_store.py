@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from checkpoint_storage._access import _DirectoryBasedAccess
-from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, PathRoots, join
+from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, PathRoots
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
 from checkpoint_storage._locations import (
     CheckpointStorageLocation,
@@ -328,7 +328,8 @@ class CompletedCheckpointStore(ABC):
 
     @abstractmethod
     def _recover(self) -> None:
-        """Rebuild the entries from durable storage (called by the constructor)."""
+        """Rebuild the entries from durable storage (called by the constructor). Reads
+        only: nothing is subsumed or deleted until the next ``add_checkpoint``."""
 
 
 class StandaloneCompletedCheckpointStore(CompletedCheckpointStore):
@@ -346,11 +347,13 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
     """A durable store: the job's ``chk-<id>`` directories with a valid `_metadata` are its
     record, so it rebuilds itself after a restart.
 
-    A checkpoint is recorded (its `_metadata` published) before it is added, so older ones
-    are only subsumed once the new one is durable; a crash in between leaves more than
-    ``max_retained`` checkpoints, which the next recovery subsumes. Savepoints and snapshots
-    restored from elsewhere live outside the job directory and are kept in memory only: after
-    a restart they are forgotten, never deleted.
+    Constructing (recovering) a store reads and never deletes: it may hold more than
+    ``max_retained`` checkpoints afterwards (``needs_subsumption``), e.g. after a crash
+    between publishing a checkpoint and subsuming older ones, or when the store is opened
+    with a smaller ``max_retained``. As in Flink, the surplus is subsumed when the next
+    checkpoint is added. Savepoints and snapshots restored from elsewhere live outside the
+    job directory and are kept in memory only: after a restart they are forgotten, never
+    deleted.
     """
 
     def __init__(self, access: _DirectoryBasedAccess, *args, **kwargs) -> None:
@@ -358,20 +361,27 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
         self._access = access
         self._recover()
 
+    @property
+    def needs_subsumption(self) -> bool:
+        """Whether the store holds more regular checkpoints than ``max_retained`` (recovered
+        surplus), which the next ``add_checkpoint`` subsumes."""
+        with self._lock:
+            regular = sum(1 for e in self._entries if not e.is_savepoint())
+            return regular > self._max_retained
+
     def _recover(self) -> None:
         recovered = []
-        for checkpoint_id in sorted(self._access._checkpoint_ids()):
-            directory = join(self._access.checkpoints_directory, f"chk-{checkpoint_id}")
+        for directory in reversed(self._access._checkpoint_directories()):
+            location = self._access._completed_in(directory)
+            if location is None:
+                continue  # never completed: garbage for collect_garbage
             try:
-                location = self._access.resolve_checkpoint(directory)
                 recovered.append(CompletedCheckpoint.load(location))
             except CheckpointNotFoundError:
-                continue  # never completed: garbage for collect_garbage
+                continue  # disposed since it was listed
             except (InvalidCheckpointError, UnsafePathError) as exc:
-                logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
+                logger.warning("skipping invalid checkpoint %s: %s", location.external_pointer, exc)
         with self._lock:
             for checkpoint in recovered:
                 self._register(checkpoint)
             self._entries = recovered
-            if recovered:
-                self._subsume()

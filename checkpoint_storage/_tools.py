@@ -20,6 +20,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint_storage._access import resolve_checkpoint_pointer
+from checkpoint_storage._discovery import discover_checkpoint_directories, lists_by_prefix
 from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
     abort_file,
@@ -591,15 +592,39 @@ def _candidates_in(entries: list[dict], job_id: str | None) -> tuple[list[_Candi
     return found, jobs
 
 
-def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> CheckpointInfo:
+def _listed_files(fs: AbstractFileSystem, candidates: list[_Candidate]) -> dict[str, list[dict]]:
+    """On object stores, the files of every ``chk-<id>`` candidate from one prefix listing
+    per job directory (``discover_checkpoint_directories``), so that examining a directory
+    costs no request of its own; {} elsewhere (each directory is listed when examined)."""
+    if not lists_by_prefix(fs):
+        return {}
+    jobs = {parent_and_name(c.path)[0] for c in candidates if _CHK_DIR.fullmatch(c.name)}
+    files: dict[str, list[dict]] = {}
+    for job in jobs:
+        for directory in discover_checkpoint_directories(fs, job):
+            files[directory.path] = directory.files or []
+    return files
+
+
+def _examine(
+    fs: AbstractFileSystem,
+    candidate: _Candidate,
+    options: dict,
+    listed: dict[str, list[dict]] | None = None,
+) -> CheckpointInfo:
     url = to_url(fs, candidate.path)
     chk = _CHK_DIR.fullmatch(candidate.name)
     name_id = int(chk.group(1)) if chk else None
     name_kind = KIND_CHECKPOINT if chk else KIND_SAVEPOINT
-    try:
-        entries = _ls(fs, candidate.path)
-    except FileNotFoundError:  # deleted while we listed
-        entries = []
+    if listed and candidate.path in listed:
+        entries = listed[candidate.path]
+        # Direct children only, as an `ls` would show them.
+        entries = [e for e in entries if parent_and_name(e["name"])[0] == candidate.path]
+    else:
+        try:
+            entries = _ls(fs, candidate.path)
+        except FileNotFoundError:  # deleted while we listed
+            entries = []
     meta_entry = next(
         (
             e
@@ -691,8 +716,9 @@ def list_checkpoints(
                 candidates.extend(more)
     if not candidates:
         return []
+    listed = _listed_files(fs, candidates)
     with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
-        infos = list(pool.map(lambda c: _examine(fs, c, options), candidates))
+        infos = list(pool.map(lambda c: _examine(fs, c, options, listed), candidates))
     infos = _attribute_savepoints(infos)
     return sorted(
         infos,

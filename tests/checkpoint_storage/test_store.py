@@ -396,14 +396,23 @@ def test_file_system_store_rebuilds_itself_after_a_restart(backend):
     )
 
 
-def test_recovery_subsumes_what_a_crash_left_behind(backend):
-    """Checkpoints completed but never added (a crash before subsumption) are subsumed by
-    the next recovery: only max_retained remain."""
+def test_recovery_keeps_what_a_crash_left_behind_until_the_next_add(backend):
+    """Checkpoints completed but never added (a crash before subsumption) are recovered and
+    kept: constructing the store deletes nothing; the next add subsumes the surplus."""
     job = Job(backend)
     locations = [job.checkpoint(i)[0] for i in (1, 2, 3)]
     store = job.store(max_retained=1)
-    assert [3] == ids(store)
-    assert [False, False, True] == [
+    assert ([1, 2, 3], True) == (ids(store), store.needs_subsumption)
+    assert [True, True, True] == [job.exists(c.external_pointer + "/_metadata") for c in locations]
+
+    subsumed = store.add_checkpoint(*job.checkpoint(4))
+
+    assert ([1, 2, 3], [4], False) == (
+        sorted(c.checkpoint_id for c in subsumed),
+        ids(store),
+        store.needs_subsumption,
+    )
+    assert [False, False, False] == [
         job.exists(c.external_pointer + "/_metadata") for c in locations
     ]
 

@@ -31,7 +31,7 @@ Exit codes::
     1  verify found a missing or corrupt state file; gc or dispose-savepoint could not delete
        everything it tried to
     2  usage error: bad arguments or options, or a refused operation (e.g. dispose-savepoint
-       of a checkpoint without --force)
+       of a checkpoint, or lease break of a lease still held, without --force)
     3  not found: no checkpoint at POINTER, DIR does not exist, or (latest) no completed
        checkpoint
     4  invalid or corrupt checkpoint: `_metadata` is truncated, corrupt or unsafe

@@ -618,14 +618,6 @@ def _describe_endpoint(key: tuple[tuple[str, ...], str, str]) -> str:
     return f"{where} at {endpoint}" if endpoint else where
 
 
-def exclusive_create_verified(fs: AbstractFileSystem, path: str) -> bool | None:
-    """The cached verdict for the endpoint of ``path``: True (exclusive), False (not), None
-    (not probed in this process; local disk and memory are exclusive by construction)."""
-    if isinstance(fs, LocalFileSystem | MemoryFileSystem):
-        return True
-    return _EXCLUSIVE_VERDICTS.get(_endpoint_key(fs, path))
-
-
 def verify_exclusive_create(fs: AbstractFileSystem, directory: str) -> None:
     """Make sure put-if-absent below ``directory`` (a stripped path) is exclusive on this
     filesystem: once per endpoint (protocol, endpoint URL, bucket) and process, publish a

@@ -139,8 +139,8 @@ def test_a_stale_holder_that_thinks_it_is_valid_is_fenced_by_the_newer_epoch(bac
 def test_the_renewal_thread_keeps_the_lease_beyond_its_ttl(backend):
     """With auto_renew the lease stays valid and held for several ttls; a commit works."""
     a, b = _coordinators(backend)
-    with a.acquire_job_lease("A", ttl=0.6) as lease:
-        time.sleep(1.5)
+    with a.acquire_job_lease("A", ttl=2.0) as lease:
+        time.sleep(4.5)
         with pytest.raises(JobLeaseHeldError):
             b.acquire_job_lease("B")
         completed = _commit(a)

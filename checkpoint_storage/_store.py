@@ -254,6 +254,14 @@ class CompletedCheckpointStore(ABC):
                 }
         return checkpoint
 
+    def subsume(self) -> list[CompletedCheckpoint]:
+        """Subsume now what exceeds ``max_retained`` (what the next ``add_checkpoint`` would
+        subsume), e.g. a recovered surplus, on behalf of an explicit retention step; returns
+        those that left the store. Recovery and construction never call this."""
+        with self._lock:
+            self._check_open()
+            return self._subsume() if self._entries else []
+
     def _as_checkpoint(self, completed, metadata) -> CompletedCheckpoint:
         if isinstance(completed, CompletedCheckpoint):
             return completed

@@ -428,3 +428,22 @@ def test_recovery_skips_an_invalid_checkpoint_with_a_warning(backend, caplog):
         store = job.store(max_retained=3)
     assert [1] == ids(store)
     assert "chk-2" in caplog.text
+
+
+def test_subsume_applies_retention_to_a_recovered_surplus_on_request(backend):
+    """store.subsume() (an explicit retention step) subsumes what exceeds max_retained right
+    away, the newest kept; without it recovery keeps everything."""
+    job = Job(backend)
+    locations = [job.checkpoint(i)[0] for i in (1, 2, 3)]
+    store = job.store(max_retained=1)
+
+    subsumed = store.subsume()
+
+    assert ([1, 2], [3], False) == (
+        [c.checkpoint_id for c in subsumed],
+        ids(store),
+        store.needs_subsumption,
+    )
+    assert [False, False, True] == [
+        job.exists(c.external_pointer + "/_metadata") for c in locations
+    ]

@@ -28,7 +28,8 @@ from checkpoint_storage import (
     UnsupportedFileSystemError,
     store_checkpoint_metadata,
 )
-from checkpoint_storage._filesystems import forget_exclusive_create_verdicts
+from checkpoint_storage._filesystems import forget_exclusive_create_verdicts, url_to_fs
+from checkpoint_storage._lease import read_job_lease
 from tests.reliability.proxy import IGNORES_CONDITIONAL_WRITES, FaultProxy
 from tests.reliability.scenarios_net import Result, _upstream, new_bucket, read_object
 
@@ -184,9 +185,14 @@ def lease_race(
     access = FileSystemCheckpointStorage(
         base, storage_options=storage_options
     ).create_checkpoint_storage(job_id)
+    fs, _ = url_to_fs(base, storage_options)
+    expires_at = read_job_lease(fs, access._path(access.checkpoints_directory)).expires_at
     with access.acquire_job_lease("replacement", ttl=ttl, wait=kill_ttl * 5) as lease:
         replaced_after = time.monotonic() - killed_at
+        after_expiry = time.time() - expires_at
         replacement_epoch = lease.epoch
+    if after_expiry < 0:
+        problems.append(f"replaced {-after_expiry:.2f} s before the killed lease expired")
     if killed_epoch is None or replacement_epoch != killed_epoch + 1:
         problems.append(f"killed epoch {killed_epoch}, replacement epoch {replacement_epoch}")
     if replaced_after > kill_ttl * 2 + 1:
@@ -194,7 +200,8 @@ def lease_race(
     figure = (
         f"{processes} processes: owners at once: {at_once}, {len(done)} commits with "
         f"epochs {min(epochs, default=0)}..{max(epochs, default=0)}; SIGKILLed owner (ttl "
-        f"{kill_ttl:g} s) replaced after {replaced_after:.1f} s"
+        f"{kill_ttl:g} s) replaced {replaced_after:.1f} s after the kill, "
+        f"{after_expiry:.2f} s after its lease expired"
     )
     return at_once, problems, figure
 

@@ -90,7 +90,11 @@ def scenario_ignoring_endpoint(trials: int, upstream_url: str | None = None) -> 
     figure = (
         f"silent overwrites: {overwrites}; refused at setup: {outcomes['refused']} of "
         f"{trials * 2} coordinators; "
-        + ", ".join(f"{k}={v}" for k, v in sorted(outcomes.items()) if k not in ("refused",))
+        + ", ".join(
+            f"{k}={v}"
+            for k, v in sorted(outcomes.items())
+            if k not in ("refused", "silent overwrites")
+        )
     )
     return Result(trials, failures, figure)
 

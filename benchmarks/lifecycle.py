@@ -3,9 +3,10 @@
 Usage::
 
     .venv/bin/python benchmarks/lifecycle.py [--backend local|s3|all] [--checkpoints 10000]
-        [--files 5000] [--repeats 3] [--workers 16]
+        [--files 5000] [--repeats 3] [--workers 16] [--aborted 1000 10000]
+        [--workloads discovery discard aborted]
 
-Two workloads per backend:
+Three workloads per backend:
 
 - discovery: ``--checkpoints`` ``chk-<id>`` directories in one job directory, each with a small
   valid `_metadata` (the first finalized through the library, the rest written with the same
@@ -18,6 +19,13 @@ Two workloads per backend:
   (``for h in handles: h.discard_state()``), with `_metadata` first and the directory last as
   ``discard_checkpoint`` does. Best of ``--repeats``; printed as the ratio serial / parallel
   (expected above 1: the reason deletions are parallel).
+- aborted (issue 13): one completed ``chk-1`` below each of ``--aborted`` counts of aborted
+  ``chk-<id>`` directories (one orphaned state file each, no `_metadata`), then ``latest``
+  timed once with the library's discovery by listing and once with the probing discovery it
+  replaced (``latest_by_probing``, kept here as the baseline: a listing of the job directory,
+  then per directory, newest first, a HEAD of `_metadata` and, when absent, a HEAD and a LIST
+  of the directory). On S3 every request is counted. Target: at most ceil(N/1000) + 1 LIST
+  requests with the listing.
 
 For S3 the script starts moto's server on 127.0.0.1 (a free port) in this process, with a WSGI
 layer that logs each request, and test credentials in the environment.
@@ -225,6 +233,89 @@ def discovery(backend: Backend, n: int, repeats: int) -> list[Row]:
     ]
 
 
+# --- discovery behind aborted directories (issue 13) ------------------------------------------
+
+
+def latest_by_probing(access):
+    """The discovery before issue 13, kept as the baseline: list the job directory, then
+    resolve each ``chk-<id>`` newest first (a HEAD of its `_metadata`; when absent, a HEAD
+    and a LIST of the directory to say why) until one loads."""
+    import re
+
+    from checkpoint_storage.exceptions import (
+        CheckpointNotFoundError,
+        InvalidCheckpointError,
+        UnsafePathError,
+    )
+
+    fs = access._fs
+    job = access._path(access.checkpoints_directory)
+    fs.invalidate_cache(job)
+    names = [entry.rstrip("/").rpartition("/")[2] for entry in fs.ls(job, detail=False)]
+    ids = sorted(
+        (int(m.group(1)) for n in names if (m := re.fullmatch(r"chk-(0|[1-9][0-9]*)", n))),
+        reverse=True,
+    )
+    for checkpoint_id in ids:
+        try:
+            completed = access.resolve_checkpoint(
+                f"{access.checkpoints_directory}/chk-{checkpoint_id}"
+            )
+            completed.load_metadata()
+        except CheckpointNotFoundError:
+            continue
+        except (InvalidCheckpointError, UnsafePathError):
+            continue
+        return completed
+    return None
+
+
+def aborted_discovery(backend: Backend, counts: list[int]) -> list[Row]:
+    from checkpoint_storage import CheckpointMetadata, store_checkpoint_metadata
+
+    rows = []
+    for n in counts:
+        access = new_job(backend, f"aborted-{n}")
+        fs = access._fs
+        job = access._path(access.checkpoints_directory)
+        location = access.initialize_location_for_checkpoint(1)
+        out = location.create_metadata_output_stream()
+        store_checkpoint_metadata(CheckpointMetadata(1), out)
+        out.close_and_finalize_checkpoint()
+        start = time.perf_counter()
+        pipe_all(
+            fs,
+            {f"{job}/chk-{i}/orphan": b"x" for i in range(2, n + 2)},
+            backend.name == "local",
+        )
+        fs.invalidate_cache()
+        print(
+            f"  aborted: {n:,} aborted chk-<id> above chk-1 written in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+        for label, function in (("listing", None), ("probing (before)", latest_by_probing)):
+            if backend.log is not None:
+                backend.log.reset()
+            start = time.perf_counter()
+            latest = access.latest_completed_checkpoint() if function is None else function(access)
+            elapsed = time.perf_counter() - start
+            if latest is None or not latest.external_pointer.endswith("/chk-1"):
+                raise AssertionError(f"latest should be chk-1, got {latest!r}")
+            counts_ = backend.log.snapshot() if backend.log is not None else Counter()
+            total = sum(counts_.values())
+            shown = ", ".join(f"{v} {k}" for k, v in sorted(counts_.items()))
+            print(f"    latest by {label}: {elapsed:.3f} s, {total} requests ({shown})")
+            target, ok = "", None
+            if function is None and backend.log is not None:
+                target = f"<= {math.ceil((n + 1) / 1000) + 1} LIST"
+                ok = counts_["LIST"] <= math.ceil((n + 1) / 1000) + 1
+            result = f"{elapsed:.3f} s"
+            if backend.log is not None:
+                result += f", {total} requests ({shown})"
+            rows.append(Row(backend.name, f"latest, {n:,} aborted: {label}", result, target, ok))
+    return rows
+
+
 # --- discarding --------------------------------------------------------------------------------
 
 
@@ -353,8 +444,13 @@ def run_backend(name: str, args) -> list[Row]:
         print(f"\n== {name}: {backend.description}")
         if name == "s3":
             print("  note: moto serves from this process, so client and server share the GIL")
-        rows = discovery(backend, args.checkpoints, args.repeats)
-        rows += discard(backend, args.files, args.repeats, args.workers)
+        rows = []
+        if "discovery" in args.workloads:
+            rows += discovery(backend, args.checkpoints, args.repeats)
+        if "discard" in args.workloads:
+            rows += discard(backend, args.files, args.repeats, args.workers)
+        if "aborted" in args.workloads:
+            rows += aborted_discovery(backend, args.aborted)
     finally:
         backend.close()
     print_table(rows)
@@ -383,6 +479,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (3)")
     parser.add_argument("--workers", type=int, default=16, help="discard parallelism (16)")
     parser.add_argument("--local-dir", default=None, help="parent directory for local runs")
+    parser.add_argument(
+        "--aborted",
+        type=int,
+        nargs="+",
+        default=[1_000, 10_000],
+        help="aborted chk-<id> counts for the aborted workload (1000 10000)",
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=("discovery", "discard", "aborted"),
+        default=["discovery", "discard", "aborted"],
+    )
     args = parser.parse_args(argv)
     if args.checkpoints < 1 or args.files < 1 or args.repeats < 1 or args.workers < 1:
         parser.error("--checkpoints, --files, --repeats and --workers must be >= 1")

@@ -2,7 +2,7 @@
 
 The coordinator (e.g. a Spark driver) creates checkpoint locations and publishes `_metadata`
 last; workers (e.g. Spark executors) resolve a location reference into a stream factory and
-write their state through it. See DESIGN.md §3 and docs/metadata-format.md.
+write their state through it. See docs/design.md §3 and docs/metadata-format.md.
 """
 
 from checkpoint_storage._access import (
@@ -31,6 +31,13 @@ from checkpoint_storage._handles import (
     StreamStateHandle,
 )
 from checkpoint_storage._ids import JobID
+from checkpoint_storage._lease import (
+    DEFAULT_LEASE_TTL,
+    JobLease,
+    LeaseRecord,
+    break_job_lease,
+    read_job_lease,
+)
 from checkpoint_storage._locations import (
     CheckpointMetadataOutputStream,
     CheckpointStorageLocation,
@@ -89,6 +96,9 @@ from checkpoint_storage.exceptions import (
     CommitStateUnknownError,
     ForeignCheckpointError,
     InvalidCheckpointError,
+    JobLeaseError,
+    JobLeaseHeldError,
+    JobLeaseLostError,
     StateIntegrityError,
     StateSizeExceededError,
     StorageConfigurationError,
@@ -100,6 +110,7 @@ from checkpoint_storage.exceptions import (
 
 __all__ = [
     "DEFAULT_FILE_STATE_THRESHOLD",
+    "DEFAULT_LEASE_TTL",
     "DEFAULT_WRITE_BUFFER_SIZE",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
@@ -135,7 +146,12 @@ __all__ = [
     "GarbageCollectionResult",
     "InvalidCheckpointError",
     "JobID",
+    "JobLease",
+    "JobLeaseError",
+    "JobLeaseHeldError",
+    "JobLeaseLostError",
     "JobStatus",
+    "LeaseRecord",
     "LogicalFile",
     "MemoryCheckpointStorage",
     "OperatorState",
@@ -162,6 +178,7 @@ __all__ = [
     "VerificationProblem",
     "VerificationReport",
     "abort_checkpoint",
+    "break_job_lease",
     "collect_garbage",
     "copy_savepoint",
     "create_file_merging_snapshot_manager",
@@ -173,6 +190,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_metadata",
+    "read_job_lease",
     "store_checkpoint_metadata",
     "url_to_fs",
     "verify_checkpoint",

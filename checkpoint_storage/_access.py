@@ -7,9 +7,11 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from datetime import timedelta
 
 from fsspec import AbstractFileSystem
 
+from checkpoint_storage._discovery import CheckpointDirectory, discover_checkpoint_directories
 from checkpoint_storage._file_merging import (
     FileMergingSnapshotManager,
     FsMergingCheckpointStreamFactory,
@@ -27,9 +29,12 @@ from checkpoint_storage._filesystems import (
     roots_for_directory,
     to_url,
     url_to_fs,
+    verify_exclusive_create,
 )
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
 from checkpoint_storage._ids import JobID, checkpoint_directory_id, is_job_id
+from checkpoint_storage._lease import DEFAULT_LEASE_TTL, JobLease
+from checkpoint_storage._lease import acquire_job_lease as _acquire_job_lease
 from checkpoint_storage._locations import (
     CheckpointStorageLocation,
     CompletedCheckpointStorageLocation,
@@ -79,7 +84,9 @@ class CheckpointStorageCoordinatorView(ABC):
 
     @abstractmethod
     def initialize_base_locations(self) -> None:
-        """Create the job's shared and task-owned directories."""
+        """Create the job's shared and task-owned directories, and verify (once per endpoint
+        and process) that the filesystem's put-if-absent is exclusive
+        (``UnsupportedFileSystemError`` when it is not)."""
 
     @abstractmethod
     def initialize_location_for_checkpoint(self, checkpoint_id: int) -> CheckpointStorageLocation:
@@ -243,6 +250,8 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
         self._storage_options = dict(storage_options or {})
         self._entropy = entropy
         self._fs_cache: AbstractFileSystem | None = None
+        self._lease: JobLease | None = None
+        self._highest_initialized = 0
 
     @property
     def checkpoints_directory(self) -> str | None:
@@ -281,6 +290,7 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
             )
         fs, base_path = url_to_fs(base, self._storage_options)
         fs.makedirs(base_path, exist_ok=True)
+        verify_exclusive_create(fs, base_path)
         prefix = f"savepoint-{self.job_id.hex[:6]}-"
         last_error: Exception | None = None
         for _ in range(_SAVEPOINT_ATTEMPTS):
@@ -301,40 +311,120 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
     def resolve_checkpoint(self, pointer: str) -> CompletedCheckpointStorageLocation:
         return resolve_checkpoint_pointer(pointer, self._storage_options, self._entropy)
 
+    # --- discovery ---------------------------------------------------------------------
+
+    def _checkpoint_directories(self) -> list[CheckpointDirectory]:
+        """The job's ``chk-<id>`` directories, newest first (see ``_discovery``)."""
+        if self._job_directory is None:
+            return []
+        return discover_checkpoint_directories(self._fs, self._path(self._job_directory))
+
     def _checkpoint_ids(self) -> list[int]:
         """The ids of the ``chk-<id>`` directories, newest first; [] if the job has none."""
-        path = self._path(self._job_directory)
-        self._fs.invalidate_cache(path)
-        try:
-            entries = self._fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        names = (parent_and_name(entry)[1] for entry in entries)
-        ids = (checkpoint_directory_id(name) for name in names)
-        return sorted((i for i in ids if i is not None), reverse=True)
+        return [directory.checkpoint_id for directory in self._checkpoint_directories()]
+
+    def _completed_in(
+        self, directory: CheckpointDirectory
+    ) -> CompletedCheckpointStorageLocation | None:
+        """The completed location of a discovered directory (no request when the listing
+        had its `_metadata`), None when it has no `_metadata` file."""
+        info = directory.metadata_info(self._fs)
+        if info is None or info.get("type") != "file":
+            return None
+        url = to_url(self._fs, directory.path)
+        handle = FileStateHandle(
+            to_url(self._fs, directory.metadata_path), int(info["size"]), filesystem=self._fs
+        )
+        return CompletedCheckpointStorageLocation(
+            url, handle, filesystem=self._fs, roots=roots_for_directory(url, self._entropy)
+        )
 
     def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:
         """The newest ``chk-<id>`` whose `_metadata` validates and holds checkpoint ``<id>``.
         Invalid, foreign and id-mismatched checkpoints are skipped with a warning; a `_metadata`
         that cannot be read raises ``UnreadableCheckpointError`` (never taken for "none")."""
-        for checkpoint_id in self._checkpoint_ids():
-            loaded = self._load_numbered(checkpoint_id)
-            if loaded is not None:
-                return loaded[0]
+        for directory in self._checkpoint_directories():
+            completed = self._completed_in(directory)
+            if completed is None:
+                continue
+            try:
+                completed.load_metadata(directory.checkpoint_id)
+            except CheckpointNotFoundError:
+                continue
+            except (InvalidCheckpointError, UnsafePathError) as exc:
+                logger.warning(
+                    "skipping invalid checkpoint %s: %s", completed.external_pointer, exc
+                )
+                continue
+            return completed
         return None
 
-    def _load_numbered(self, checkpoint_id: int):
-        """``(location, metadata)`` of ``chk-<checkpoint_id>``, or None (with a warning) when
-        it has no `_metadata`, an invalid or foreign one, or one of another checkpoint id."""
-        directory = join(self._job_directory, f"chk-{checkpoint_id}")
-        try:
-            completed = self.resolve_checkpoint(directory)
-            return completed, completed.load_metadata(checkpoint_id)
-        except CheckpointNotFoundError:
-            return None
-        except (InvalidCheckpointError, UnsafePathError) as exc:
-            logger.warning("skipping invalid checkpoint %s: %s", directory, exc)
-            return None
+    def next_checkpoint_id(self) -> int:
+        """One above every ``chk-<id>`` directory listed in the job directory (completed or
+        aborted) and every id this access initialized: a coordinator that takes the job over
+        never reuses an id. (On object stores an aborted directory that holds no object is
+        not seen; the put-if-absent of `_metadata` refuses a duplicate completion anyway.)"""
+        listed = self._checkpoint_ids()
+        return max(listed[0] if listed else 0, self._highest_initialized) + 1
+
+    # --- the job lease -------------------------------------------------------------------
+
+    @property
+    def job_lease(self) -> JobLease | None:
+        """The lease this access took with ``acquire_job_lease``, if any (it may have been
+        released or lost since: see ``JobLease.valid``)."""
+        return self._lease
+
+    def acquire_job_lease(
+        self,
+        owner: str | None = None,
+        *,
+        ttl: timedelta | float = DEFAULT_LEASE_TTL,
+        wait: float | None = None,
+        auto_renew: bool = True,
+        renew_interval: float | None = None,
+    ) -> JobLease:
+        """Take the job directory's lease: one coordinator per job (see ``JobLease``).
+
+        ``owner`` names this coordinator in errors and ``checkpoints lease show`` (default
+        ``<host>:<pid>``); ``ttl`` is how long the lease lives without renewal (a daemon
+        thread renews it every ``renew_interval``, default ``ttl / 3``, unless
+        ``auto_renew=False``); ``wait`` None fails at once with ``JobLeaseHeldError`` naming
+        the holder, a number of seconds waits for it to be released or to expire.
+
+        From then on every checkpoint location this access creates publishes `_metadata`
+        only while the lease is current (checked right before the conditional PUT; else
+        ``JobLeaseLostError``) and records the lease's epoch in it (``lease_epoch``). Use the
+        lease as a context manager or call ``release()``; a released lease is not replaced
+        until this method is called again.
+        """
+        if self._job_directory is None:
+            raise ValueError("a job lease needs a checkpoint directory")
+        job = self._path(self._job_directory)
+        verify_exclusive_create(self._fs, job)
+        if self._lease is not None and self._lease.valid:
+            raise ValueError(f"this access already holds the job lease (epoch {self._lease.epoch})")
+        self._lease = _acquire_job_lease(
+            self._fs,
+            job,
+            owner,
+            ttl=ttl,
+            wait=wait,
+            auto_renew=auto_renew,
+            renew_interval=renew_interval,
+        )
+        return self._lease
+
+    def _lease_for_new_location(self) -> JobLease | None:
+        """The lease a new checkpoint location publishes under; fails early when it is no
+        longer valid (no I/O)."""
+        lease = self._lease
+        if lease is not None and not lease.valid:
+            raise lease._not_valid_error()
+        return lease
+
+    def _note_initialized(self, checkpoint_id: int) -> None:
+        self._highest_initialized = max(self._highest_initialized, checkpoint_id)
 
 
 class FsCheckpointStorageAccess(_DirectoryBasedAccess):
@@ -372,6 +462,7 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
     def initialize_base_locations(self) -> None:
         for directory in (self.shared_state_directory, self.task_owned_state_directory):
             self._fs.makedirs(self._path(directory), exist_ok=True)
+        verify_exclusive_create(self._fs, self._path(self._job_directory))
 
     def _streams(self, exclusive_dir: str) -> FsCheckpointStreamFactory:
         return FsCheckpointStreamFactory(
@@ -386,9 +477,13 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
 
     def initialize_location_for_checkpoint(self, checkpoint_id: int) -> CheckpointStorageLocation:
         directory = join(self._job_directory, f"chk-{_checkpoint_id(checkpoint_id)}")
+        lease = self._lease_for_new_location()
+        # Cached after initialize_base_locations(): no request here in the usual case.
+        verify_exclusive_create(self._fs, self._path(self._job_directory))
         self._fs.makedirs(self._path(directory), exist_ok=True)
+        self._note_initialized(checkpoint_id)
         target = FileMetadataTarget(
-            self._fs, directory, roots_for_directory(directory, self._entropy)
+            self._fs, directory, roots_for_directory(directory, self._entropy), lease
         )
         return CheckpointStorageLocation(
             self._streams(directory), CheckpointStorageLocationReference.get_default(), target
@@ -534,6 +629,7 @@ class MemoryCheckpointStorageAccess(_DirectoryBasedAccess):
     def initialize_base_locations(self) -> None:
         if self._job_directory is not None:
             self._fs.makedirs(self._path(self._job_directory), exist_ok=True)
+            verify_exclusive_create(self._fs, self._path(self._job_directory))
 
     def _memory_streams(self) -> MemCheckpointStreamFactory:
         return MemCheckpointStreamFactory(self._max_state_size)
@@ -545,8 +641,11 @@ class MemoryCheckpointStorageAccess(_DirectoryBasedAccess):
             target = MemoryMetadataTarget(self._in_memory, checkpoint_id)
         else:
             directory = join(self._job_directory, f"chk-{checkpoint_id}")
+            lease = self._lease_for_new_location()
+            verify_exclusive_create(self._fs, self._path(self._job_directory))
             self._fs.makedirs(self._path(directory), exist_ok=True)
-            target = FileMetadataTarget(self._fs, directory, roots_for_directory(directory))
+            self._note_initialized(checkpoint_id)
+            target = FileMetadataTarget(self._fs, directory, roots_for_directory(directory), lease)
         return CheckpointStorageLocation(
             self._memory_streams(), CheckpointStorageLocationReference.get_default(), target
         )

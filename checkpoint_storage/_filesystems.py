@@ -256,7 +256,7 @@ def _clean_tail(tail: str) -> bool:
 
 
 def roots_for_directory(directory_url: str, entropy: "EntropyInjector | None" = None) -> PathRoots:
-    """Roots of a completed checkpoint or savepoint directory (DESIGN §3.3).
+    """Roots of a completed checkpoint or savepoint directory (docs/design.md §3.3).
 
     A ``chk-<id>`` directory may reference its job's ``shared/`` and ``taskowned/`` siblings
     (and their entropy-injected forms); any other directory (a savepoint) only itself.
@@ -640,3 +640,82 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
+
+
+# --- is put-if-absent exclusive? ----------------------------------------------------------
+
+_EXCLUSIVE_VERDICTS: dict[tuple, bool] = {}
+_EXCLUSIVE_LOCK = threading.Lock()
+PROBE_PREFIX = ".put-if-absent-probe-"
+
+
+def _endpoint_key(fs: AbstractFileSystem, path: str) -> tuple[tuple[str, ...], str, str]:
+    """(protocols, endpoint, bucket or top-level directory) a verdict is cached under."""
+    endpoint = (
+        getattr(fs, "endpoint_url", None)
+        or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+        or getattr(fs, "project", None)
+        or getattr(fs, "account_name", None)
+        or ""
+    )
+    return _protocols(fs), str(endpoint), path.lstrip("/").split("/", 1)[0]
+
+
+def _describe_endpoint(key: tuple[tuple[str, ...], str, str]) -> str:
+    protocols, endpoint, bucket = key
+    where = f"{protocols[0]}://{bucket}"
+    return f"{where} at {endpoint}" if endpoint else where
+
+
+def verify_exclusive_create(fs: AbstractFileSystem, directory: str) -> None:
+    """Make sure put-if-absent below ``directory`` (a stripped path) is exclusive on this
+    filesystem: once per endpoint (protocol, endpoint URL, bucket) and process, publish a
+    probe object twice with put-if-absent; the second must be refused. The probe is removed.
+    Raises ``UnsupportedFileSystemError`` naming the endpoint when the second one succeeds
+    (e.g. an S3-compatible server that ignores ``If-None-Match: *``), every time it is asked.
+
+    Local disk (``os.link``) and memory (a lock) are exclusive by construction: no probe.
+    """
+    if isinstance(fs, LocalFileSystem | MemoryFileSystem):
+        return
+    key = _endpoint_key(fs, directory)
+    with _EXCLUSIVE_LOCK:
+        verdict = _EXCLUSIVE_VERDICTS.get(key)
+        if verdict is None:
+            verdict = _probe_exclusive_create(fs, directory)
+            _EXCLUSIVE_VERDICTS[key] = verdict
+    if not verdict:
+        raise UnsupportedFileSystemError(
+            f"{_describe_endpoint(key)} does not honour exclusive creation: a second "
+            "put-if-absent (S3: a PUT with If-None-Match: *) of one key succeeded, so another "
+            "writer could silently overwrite a completed checkpoint's _metadata. Use an "
+            "endpoint that supports conditional writes (enable or upgrade the server's "
+            "If-None-Match support) or write checkpoints to another filesystem (local disk, "
+            "AWS S3, GCS)"
+        )
+
+
+def _probe_exclusive_create(fs: AbstractFileSystem, directory: str) -> bool:
+    probe = join(directory, PROBE_PREFIX + uuid.uuid4().hex)
+    try:
+        put_if_absent(fs, probe, b"first")
+        try:
+            put_if_absent(fs, probe, b"second")
+        except CheckpointAlreadyExistsError:
+            return True
+        logger.error("a second put-if-absent of %s succeeded", to_url(fs, probe))
+        return False
+    finally:
+        try:
+            fs.rm_file(probe)
+        except FileNotFoundError:
+            pass
+        except Exception:  # noqa: BLE001 - a leftover probe is harmless; say so
+            logger.warning("could not delete the probe object %s", to_url(fs, probe), exc_info=True)
+        fs.invalidate_cache(directory)
+
+
+def forget_exclusive_create_verdicts() -> None:
+    """Drop the cached verdicts (tests; after reconfiguring an endpoint)."""
+    with _EXCLUSIVE_LOCK:
+        _EXCLUSIVE_VERDICTS.clear()

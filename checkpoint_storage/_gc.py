@@ -1,4 +1,4 @@
-"""Garbage collection of a job's checkpoint directory (issue 3, DESIGN §3.2-3.3).
+"""Garbage collection of a job's checkpoint directory (issue 3, docs/design.md §3.2-3.3).
 
 Deletes the files below ``<job>/chk-<id>/`` and ``<job>/shared/`` that no retained checkpoint
 references and that are older than a grace period: orphans of crashed writers and failed task

@@ -18,7 +18,9 @@ from checkpoint_storage._handles import ByteStreamStateHandle, FileStateHandle, 
 from checkpoint_storage._metadata import (
     CheckpointMetadata,
     decode_metadata,
+    encode_metadata,
     read_metadata_bytes,
+    with_lease_epoch,
 )
 from checkpoint_storage._references import (
     CheckpointedStateScope,
@@ -27,6 +29,7 @@ from checkpoint_storage._references import (
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
+    JobLeaseLostError,
     StreamClosedError,
 )
 
@@ -140,9 +143,10 @@ class _BufferedMetadataOutputStream(CheckpointMetadataOutputStream):
     """Buffers the metadata in memory and hands it to ``publish`` in one piece, so a failure
     at any point before the put-if-absent leaves nothing behind."""
 
-    def __init__(self, publish) -> None:
+    def __init__(self, publish, lease_epoch: int | None = None) -> None:
         self._publish = publish
         self._buffer: io.BytesIO | None = io.BytesIO()
+        self.lease_epoch = lease_epoch  # store_checkpoint_metadata stamps it in
 
     def _open_buffer(self) -> io.BytesIO:
         if self._buffer is None:
@@ -178,18 +182,48 @@ class MetadataTarget(ABC):
 
 
 class FileMetadataTarget(MetadataTarget):
-    """`_metadata` in ``directory`` (a canonical URL), published with put-if-absent."""
+    """`_metadata` in ``directory`` (a canonical URL), published with put-if-absent.
 
-    def __init__(self, fs: AbstractFileSystem, directory: str, roots: PathRoots) -> None:
+    With a job ``lease``, the bytes are stamped with its epoch and the lease is checked
+    (``JobLease.check()``: one listing of the lease directory) immediately before the
+    put-if-absent: a coordinator that lost its lease publishes nothing (``JobLeaseLostError``).
+    """
+
+    def __init__(
+        self, fs: AbstractFileSystem, directory: str, roots: PathRoots, lease=None
+    ) -> None:
         self._fs = fs
         self._directory = directory
         self._roots = roots
         self._metadata_url = join(directory, METADATA_FILE_NAME)
+        self.lease = lease
+
+    @property
+    def lease_epoch(self) -> int | None:
+        return None if self.lease is None else self.lease.epoch
 
     def _path(self, url: str) -> str:
         return self._fs._strip_protocol(url)
 
+    def _stamped(self, data: bytes) -> bytes:
+        """``data`` carrying the lease's epoch; bytes written without it are re-encoded
+        (the encoding round-trips exactly), another epoch is refused."""
+        metadata = decode_metadata(
+            data, source=self._metadata_url, directory=self._directory, roots=self._roots
+        )
+        if metadata.lease_epoch == self.lease.epoch:
+            return data
+        if metadata.lease_epoch is not None:
+            raise JobLeaseLostError(
+                f"the _metadata for {self._directory} records lease epoch "
+                f"{metadata.lease_epoch}, but it is published under epoch {self.lease.epoch}"
+            )
+        return encode_metadata(with_lease_epoch(metadata, self.lease.epoch))
+
     def publish(self, data: bytes) -> CompletedCheckpointStorageLocation:
+        if self.lease is not None:
+            data = self._stamped(data)
+            self.lease.check()  # the last thing before the conditional PUT: fencing
         put_if_absent(self._fs, self._path(self._metadata_url), data)
         handle = FileStateHandle(
             self._metadata_url, len(data), zlib.crc32(data), filesystem=self._fs
@@ -250,12 +284,15 @@ class CheckpointStorageLocation(CheckpointStreamFactory):
 
     def create_metadata_output_stream(self) -> CheckpointMetadataOutputStream:
         """A stream for `_metadata`. Costs no I/O: another writer's `_metadata` is detected
-        by the put-if-absent at finalization (FileExistsError)."""
+        by the put-if-absent at finalization (FileExistsError). Under a job lease, the
+        finalization first checks the lease (``JobLeaseLostError`` when lost)."""
         if self._finalized:
             raise CheckpointAlreadyExistsError(
                 "this location was already finalized: its checkpoint is complete"
             )
-        return _BufferedMetadataOutputStream(self._publish)
+        return _BufferedMetadataOutputStream(
+            self._publish, getattr(self._metadata_target, "lease_epoch", None)
+        )
 
     def _publish(self, data: bytes) -> CompletedCheckpointStorageLocation:
         completed = self._metadata_target.publish(data)

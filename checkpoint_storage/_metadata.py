@@ -9,6 +9,7 @@ first (this library's, Apache Flink's, or unknown), then at most ``MAX_METADATA_
 that cannot be opened raises ``UnreadableCheckpointError`` naming it, never a bare errno.
 """
 
+import dataclasses
 import enum
 import struct
 import zlib
@@ -139,7 +140,11 @@ class OperatorState:
 @dataclass(frozen=True)
 class CheckpointMetadata:
     """Everything `_metadata` holds: the checkpoint's identity, kind, master states (small
-    named blobs such as source positions) and operator states."""
+    named blobs such as source positions) and operator states.
+
+    ``lease_epoch`` is the fencing epoch of the job lease the coordinator held when it
+    published the checkpoint (None: published without a lease, or format version 1). A
+    location created while the access holds a lease stamps it in; see ``JobLease``."""
 
     checkpoint_id: int
     operator_states: tuple[OperatorState, ...] = ()
@@ -147,6 +152,7 @@ class CheckpointMetadata:
     properties: CheckpointProperties = field(default_factory=CheckpointProperties)
     job_id: JobID | None = None
     timestamp_ms: int | None = None
+    lease_epoch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_id, int) or not 0 <= self.checkpoint_id < 2**63:
@@ -157,6 +163,12 @@ class CheckpointMetadata:
             isinstance(self.timestamp_ms, int) and -(2**63) <= self.timestamp_ms < 2**63
         ):
             raise ValueError(f"timestamp_ms must be a 64-bit int, got {self.timestamp_ms!r}")
+        if self.lease_epoch is not None and not (
+            isinstance(self.lease_epoch, int)
+            and not isinstance(self.lease_epoch, bool)
+            and 1 <= self.lease_epoch < 2**63
+        ):
+            raise ValueError(f"lease_epoch must be in [1, 2^63), got {self.lease_epoch!r}")
         object.__setattr__(self, "operator_states", tuple(self.operator_states))
         ids = [op.operator_id for op in self.operator_states]
         if len(set(ids)) != len(ids):
@@ -180,7 +192,8 @@ class CheckpointMetadata:
 # --- encoding ----------------------------------------------------------------------------
 
 MAGIC = b"\x89CKPT\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the lease epoch is appended to the body
+READABLE_VERSIONS = (1, 2)
 _HEADER = struct.Struct(">8sHHQI")  # magic, version, flags, body length, body CRC-32
 HEADER_SIZE = _HEADER.size
 MAX_METADATA_BYTES = 64 * 1024 * 1024
@@ -258,6 +271,7 @@ def encode_metadata(metadata: CheckpointMetadata) -> bytes:
             w.u32(len(subtask.handles))
             for handle in subtask.handles:
                 _encode_handle(w, handle)
+    w.optional(metadata.lease_epoch, _U64)  # version 2
     body = b"".join(w.parts)
     if HEADER_SIZE + len(body) > MAX_METADATA_BYTES:
         raise ValueError(
@@ -395,7 +409,8 @@ def check_metadata_header(header: bytes, source: str) -> None:
         if version > FORMAT_VERSION:
             raise ForeignCheckpointError(
                 f"{source} is not a valid checkpoint for this library version: format version "
-                f"{version}, this library reads version {FORMAT_VERSION}; upgrade the library "
+                f"{version}, this library reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; upgrade the library "
                 "to read newer checkpoints",
                 format_name="newer version",
                 format_version=version,
@@ -474,10 +489,11 @@ def decode_metadata(
     if len(data) < HEADER_SIZE:
         raise invalid(source, f"{len(data)} bytes, shorter than the {HEADER_SIZE}-byte header")
     magic, version, flags, length, crc = _HEADER.unpack_from(data)
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise invalid(
             source,
-            f"format version {version}; this library reads version {FORMAT_VERSION} "
+            f"format version {version}; this library reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))} "
             "(upgrade the library to read newer checkpoints)",
         )
     if flags != 0:
@@ -497,7 +513,7 @@ def decode_metadata(
                 f"{checkpoint_id}); its files are kept. Move it back to chk-{found} or dispose it"
             )
     try:
-        metadata = _decode_body(r, directory, roots, filesystem)
+        metadata = _decode_body(r, directory, roots, filesystem, version)
     except (InvalidCheckpointError, UnsafePathError):
         raise  # a path outside the roots is a security verdict, reported as such
     except (ValueError, TypeError) as exc:
@@ -507,7 +523,9 @@ def decode_metadata(
     return metadata
 
 
-def _decode_body(r: _Reader, directory: str, roots: PathRoots, fs) -> CheckpointMetadata:
+def _decode_body(
+    r: _Reader, directory: str, roots: PathRoots, fs, version: int
+) -> CheckpointMetadata:
     checkpoint_id = r.u64()
     job_id = JobID(bytes(r.take(16)).hex()) if r.flag() else None
     timestamp_ms = r.optional(_I64)
@@ -542,8 +560,15 @@ def _decode_body(r: _Reader, directory: str, roots: PathRoots, fs) -> Checkpoint
                 subtasks,
             )
         )
+    lease_epoch = r.optional(_U64) if version >= 2 else None
     return CheckpointMetadata(
-        checkpoint_id, tuple(operator_states), master_states, properties, job_id, timestamp_ms
+        checkpoint_id,
+        tuple(operator_states),
+        master_states,
+        properties,
+        job_id,
+        timestamp_ms,
+        lease_epoch,
     )
 
 
@@ -577,10 +602,24 @@ def _decode_handle(r: _Reader, directory: str, roots: PathRoots, fs) -> StreamSt
 
 def store_checkpoint_metadata(metadata: CheckpointMetadata, out) -> None:
     """Write ``metadata`` into a metadata output stream (then call its
-    ``close_and_finalize_checkpoint()``)."""
+    ``close_and_finalize_checkpoint()``). A stream of a location created under a job lease
+    stamps the lease's epoch into the metadata (``lease_epoch``)."""
     if not isinstance(metadata, CheckpointMetadata):
         raise TypeError(f"expected CheckpointMetadata, got {type(metadata).__name__}")
-    out.write(encode_metadata(metadata))
+    out.write(encode_metadata(with_lease_epoch(metadata, getattr(out, "lease_epoch", None))))
+
+
+def with_lease_epoch(metadata: CheckpointMetadata, epoch: int | None) -> CheckpointMetadata:
+    """``metadata`` stamped with ``epoch`` (unchanged when ``epoch`` is None or already
+    there); a different epoch already in it is refused (``ValueError``)."""
+    if epoch is None or metadata.lease_epoch == epoch:
+        return metadata
+    if metadata.lease_epoch is not None:
+        raise ValueError(
+            f"the metadata records lease epoch {metadata.lease_epoch}, but this location was "
+            f"created under lease epoch {epoch}"
+        )
+    return dataclasses.replace(metadata, lease_epoch=epoch)
 
 
 def load_checkpoint_metadata(completed_location) -> CheckpointMetadata:

@@ -17,6 +17,11 @@ from checkpoint_storage._locations import (
 from checkpoint_storage._metadata import CheckpointMetadata, CheckpointProperties
 from checkpoint_storage._retention import CheckpointRetentionPolicy, JobStatus, RestoreMode
 from checkpoint_storage._shared_state import SharedStateRegistry, discard_handles
+from checkpoint_storage.exceptions import (
+    CheckpointNotFoundError,
+    InvalidCheckpointError,
+    UnsafePathError,
+)
 
 __all__ = [
     "CompletedCheckpoint",
@@ -249,6 +254,14 @@ class CompletedCheckpointStore(ABC):
                 }
         return checkpoint
 
+    def subsume(self) -> list[CompletedCheckpoint]:
+        """Subsume now what exceeds ``max_retained`` (what the next ``add_checkpoint`` would
+        subsume), e.g. a recovered surplus, on behalf of an explicit retention step; returns
+        those that left the store. Recovery and construction never call this."""
+        with self._lock:
+            self._check_open()
+            return self._subsume() if self._entries else []
+
     def _as_checkpoint(self, completed, metadata) -> CompletedCheckpoint:
         if isinstance(completed, CompletedCheckpoint):
             return completed
@@ -323,7 +336,8 @@ class CompletedCheckpointStore(ABC):
 
     @abstractmethod
     def _recover(self) -> None:
-        """Rebuild the entries from durable storage (called by the constructor)."""
+        """Rebuild the entries from durable storage (called by the constructor). Reads
+        only: nothing is subsumed or deleted until the next ``add_checkpoint``."""
 
 
 class StandaloneCompletedCheckpointStore(CompletedCheckpointStore):
@@ -341,11 +355,13 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
     """A durable store: the job's ``chk-<id>`` directories with a valid `_metadata` are its
     record, so it rebuilds itself after a restart.
 
-    A checkpoint is recorded (its `_metadata` published) before it is added, so older ones
-    are only subsumed once the new one is durable; a crash in between leaves more than
-    ``max_retained`` checkpoints, which the next recovery subsumes. Savepoints and snapshots
-    restored from elsewhere live outside the job directory and are kept in memory only: after
-    a restart they are forgotten, never deleted.
+    Constructing (recovering) a store reads and never deletes: it may hold more than
+    ``max_retained`` checkpoints afterwards (``needs_subsumption``), e.g. after a crash
+    between publishing a checkpoint and subsuming older ones, or when the store is opened
+    with a smaller ``max_retained``. As in Flink, the surplus is subsumed when the next
+    checkpoint is added. Savepoints and snapshots restored from elsewhere live outside the
+    job directory and are kept in memory only: after a restart they are forgotten, never
+    deleted.
     """
 
     def __init__(self, access: _DirectoryBasedAccess, *args, **kwargs) -> None:
@@ -353,21 +369,33 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
         self._access = access
         self._recover()
 
+    @property
+    def needs_subsumption(self) -> bool:
+        """Whether the store holds more regular checkpoints than ``max_retained`` (recovered
+        surplus), which the next ``add_checkpoint`` subsumes."""
+        with self._lock:
+            regular = sum(1 for e in self._entries if not e.is_savepoint())
+            return regular > self._max_retained
+
     def _recover(self) -> None:
         # The same rule as discovery: a chk-<id> counts when its `_metadata` validates and
         # holds checkpoint <id>; invalid, foreign and mismatched ones are skipped with a
         # warning (never discarded: they are not entries), unreadable ones raise.
         recovered = []
-        for checkpoint_id in sorted(self._access._checkpoint_ids()):
-            loaded = self._access._load_numbered(checkpoint_id)
-            if loaded is not None:
-                location, metadata = loaded
+        for directory in reversed(self._access._checkpoint_directories()):
+            location = self._access._completed_in(directory)
+            if location is None:
+                continue  # never completed: garbage for collect_garbage
+            try:
+                metadata = location.load_metadata(directory.checkpoint_id)
                 recovered.append(
                     CompletedCheckpoint(location, metadata, not metadata.properties.is_savepoint())
                 )
+            except CheckpointNotFoundError:
+                continue  # disposed since it was listed
+            except (InvalidCheckpointError, UnsafePathError) as exc:
+                logger.warning("skipping invalid checkpoint %s: %s", location.external_pointer, exc)
         with self._lock:
             for checkpoint in recovered:
                 self._register(checkpoint)
             self._entries = recovered
-            if recovered:
-                self._subsume()

@@ -20,6 +20,7 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint_storage._access import resolve_checkpoint_pointer
+from checkpoint_storage._discovery import discover_checkpoint_directories, lists_by_prefix
 from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
     abort_file,
@@ -633,19 +634,47 @@ def _candidates_in(entries: list[dict], job_id: str | None) -> tuple[list[_Candi
     return found, jobs
 
 
-def _examine(fs: AbstractFileSystem, candidate: _Candidate, options: dict) -> CheckpointInfo:
+def _listed_files(fs: AbstractFileSystem, candidates: list[_Candidate]) -> dict[str, list[dict]]:
+    """On object stores, the files of every ``chk-<id>`` candidate from one prefix listing
+    per job directory (``discover_checkpoint_directories``), so that examining a directory
+    costs no request of its own; {} elsewhere (each directory is listed when examined)."""
+    if not lists_by_prefix(fs):
+        return {}
+    jobs = {
+        parent_and_name(c.path)[0]
+        for c in candidates
+        if checkpoint_directory_id(c.name) is not None
+    }
+    files: dict[str, list[dict]] = {}
+    for job in jobs:
+        for directory in discover_checkpoint_directories(fs, job):
+            files[directory.path] = directory.files or []
+    return files
+
+
+def _examine(
+    fs: AbstractFileSystem,
+    candidate: _Candidate,
+    options: dict,
+    listed: dict[str, list[dict]] | None = None,
+) -> CheckpointInfo:
     url = to_url(fs, candidate.path)
     name_id = checkpoint_directory_id(candidate.name)
     name_kind = KIND_CHECKPOINT if name_id is not None else KIND_SAVEPOINT
-    try:
-        entries = _ls(fs, candidate.path)
-    except FileNotFoundError:  # deleted while we listed
-        entries = []
-    except OSError as exc:  # e.g. no permission to list it: mark the row, go on
-        reason = f"cannot list {url}: {_one_line(exc)}"
-        return CheckpointInfo(
-            url, name_kind, name_id, STATUS_UNREADABLE, candidate.job_id, reason=reason
-        )
+    if listed and candidate.path in listed:
+        # Direct children only, as an `ls` would show them.
+        entries = [e for e in listed[candidate.path]
+                   if parent_and_name(e["name"])[0] == candidate.path]
+    else:
+        try:
+            entries = _ls(fs, candidate.path)
+        except FileNotFoundError:  # deleted while we listed
+            entries = []
+        except OSError as exc:  # e.g. no permission to list it: mark the row, go on
+            reason = f"cannot list {url}: {_one_line(exc)}"
+            return CheckpointInfo(
+                url, name_kind, name_id, STATUS_UNREADABLE, candidate.job_id, reason=reason
+            )
     meta_entry = next((e for e in entries if _is_metadata_entry(e)), None)
     present = sum(1 for e in entries if e.get("type") == "file" and not _is_metadata_entry(e))
     if meta_entry is None:
@@ -745,8 +774,9 @@ def list_checkpoints(
                 candidates.extend(more)
     if not candidates:
         return []
+    listed = _listed_files(fs, candidates)
     with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
-        infos = list(pool.map(lambda c: _examine(fs, c, options), candidates))
+        infos = list(pool.map(lambda c: _examine(fs, c, options, listed), candidates))
     infos = _attribute_savepoints(infos)
     return sorted(
         infos,

@@ -11,6 +11,9 @@ Commands::
                                           dispose; --corrupt for a corrupt checkpoint)
     checkpoints copy-savepoint POINTER TARGET
                                           copy a savepoint elsewhere (e.g. local disk to S3)
+    checkpoints lease show DIR            who holds the job directory's lease (one coordinator
+                                          per job), its epoch and when it expires
+    checkpoints lease break DIR           break a stale lease (--force: also a live one)
 
 DIR and POINTER are local paths, ``file:`` URLs (``file:/abs``, ``file:///abs``,
 ``file://localhost/abs``, percent-encoded) or fsspec URLs (``s3://bucket/cp/<job_id>``), under
@@ -32,7 +35,7 @@ Exit codes::
     1  verify reported problems (a missing, corrupt or unreadable state file); gc or
        dispose-savepoint could not delete everything it tried to
     2  usage error: bad arguments or options, or a refused operation (e.g. dispose-savepoint
-       of a checkpoint without --force)
+       of a checkpoint, or lease break of a lease still held, without --force)
     3  not found: no checkpoint at POINTER, DIR does not exist, or (latest) no completed
        checkpoint
     4  invalid, corrupt or foreign checkpoint: `_metadata` is truncated, corrupt, unsafe,
@@ -71,6 +74,12 @@ from checkpoint_storage._handles import (
     SegmentFileStateHandle,
 )
 from checkpoint_storage._ids import JobID
+from checkpoint_storage._lease import (
+    LeaseRecord,
+    break_job_lease,
+    default_lease_owner,
+    read_job_lease,
+)
 from checkpoint_storage._metadata import CheckpointMetadata
 from checkpoint_storage._tools import (
     CheckpointInfo,
@@ -83,7 +92,11 @@ from checkpoint_storage._tools import (
     snapshot_kind,
     verify_checkpoint,
 )
-from checkpoint_storage.exceptions import InvalidCheckpointError, UnsafePathError
+from checkpoint_storage.exceptions import (
+    InvalidCheckpointError,
+    JobLeaseHeldError,
+    UnsafePathError,
+)
 
 __all__ = ["main"]
 
@@ -548,6 +561,59 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("pointer", metavar="POINTER")
     sub.add_argument("target", metavar="TARGET")
     sub.set_defaults(handler=_cmd_copy)
+
+    lease = commands.add_parser(
+        "lease",
+        help="show or break a job directory's lease",
+        description=textwrap.fill(
+            "A coordinator holds its job directory's lease (DIR/_lease) while it writes "
+            "checkpoints: one coordinator per job. Show who holds it, or break a stale one.",
+            88,
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    lease_commands = lease.add_subparsers(
+        dest="lease_command", metavar="ACTION", parser_class=_Parser
+    )
+    lease_commands.required = True
+
+    def lease_command(name: str, help_text: str, description: str):
+        sub = lease_commands.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(description, 88),
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _common(sub)
+        sub.add_argument("directory", metavar="DIR")
+        return sub
+
+    sub = lease_command(
+        "show",
+        "who holds the lease",
+        "Show the lease of the job directory DIR (<base>/<job_id>): state (held / expired / "
+        "released / unreadable / none), epoch, owner, when it was acquired and renewed, and "
+        "when it expires. JSON keys: directory, state, epoch, owner, acquired_at, renewed_at, "
+        "expires_at, ttl_seconds, broken_by, reason.",
+    )
+    sub.set_defaults(handler=_cmd_lease_show)
+    sub = lease_command(
+        "break",
+        "break a stale lease",
+        "Break the lease of the job directory DIR: the next epoch is written as a released "
+        "tombstone, so the old holder can no longer publish checkpoints and the next "
+        "coordinator takes the lease at once. A lease that is still held (renewed within "
+        "its ttl) is refused (exit 2) unless --force. JSON keys: directory, broken, "
+        "previous (as in lease show).",
+    )
+    sub.add_argument(
+        "--force",
+        action="store_true",
+        help="break the lease even though its holder renewed it within its ttl",
+    )
+    sub.set_defaults(handler=_cmd_lease_break)
     return parser
 
 
@@ -1002,6 +1068,72 @@ def _cmd_copy(args, options: dict) -> int:
         _print_json({"source": source, "pointer": pointer})
     else:
         print(pointer)
+    return EXIT_OK
+
+
+def _lease_json(directory: str, record: LeaseRecord | None) -> dict:
+    if record is None:
+        return {"directory": directory, "state": "none", "epoch": None, "owner": None}
+    unreadable = record.unreadable is not None
+
+    def moment(value: float) -> str | None:
+        return None if unreadable else _iso(datetime.fromtimestamp(value, UTC))
+
+    return {
+        "directory": directory,
+        "state": record.state(),
+        "epoch": record.epoch,
+        "owner": None if unreadable else record.owner,
+        "acquired_at": moment(record.acquired_at),
+        "renewed_at": moment(record.renewed_at),
+        "expires_at": moment(record.expires_at),
+        "ttl_seconds": None if unreadable else record.ttl_seconds,
+        "broken_by": record.broken_by,
+        "reason": record.unreadable,
+    }
+
+
+def _job_lease_directory(args, options: dict):
+    directory = _location(args.directory)
+    fs, path = url_to_fs(directory, options)
+    return directory, fs, path
+
+
+def _cmd_lease_show(args, options: dict) -> int:
+    directory, fs, path = _job_lease_directory(args, options)
+    record = read_job_lease(fs, path)
+    if args.json:
+        _print_json(_lease_json(directory, record))
+    elif record is None:
+        print(f"{directory}: no lease has been taken")
+    else:
+        print(f"{directory}: {record.describe()}")
+    return EXIT_OK
+
+
+def _cmd_lease_break(args, options: dict) -> int:
+    directory, fs, path = _job_lease_directory(args, options)
+    try:
+        broken = break_job_lease(
+            fs, path, by=f"checkpoints lease break ({default_lease_owner()})", force=args.force
+        )
+    except JobLeaseHeldError as exc:
+        raise UsageError(
+            f"{_one_line(exc)}; pass --force to break it anyway (only when that coordinator "
+            "is gone)"
+        ) from None
+    if args.json:
+        _print_json(
+            {
+                "directory": directory,
+                "broken": broken is not None,
+                "previous": None if broken is None else _lease_json(directory, broken),
+            }
+        )
+    elif broken is None:
+        print(f"{directory}: no lease to break (never taken, or released)")
+    else:
+        print(f"{directory}: broke the lease ({broken.describe()})")
     return EXIT_OK
 
 

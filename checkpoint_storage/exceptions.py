@@ -31,7 +31,12 @@ The tree::
     ├── CommitStateUnknownError (OSError)   publishing `_metadata` may or may not have happened and
     │                                       reading it back could not tell: inspect before retrying
     ├── StateSizeExceededError (OSError)    a state is larger than the memory storage allows
-    └── StreamClosedError (OSError)         the stream was already closed or committed
+    ├── StreamClosedError (OSError)         the stream was already closed or committed
+    └── JobLeaseError                       the job lease (one coordinator per job directory)
+        ├── JobLeaseHeldError               another coordinator holds the job's lease (names
+        │                                   the holder, its epoch and when it expires)
+        └── JobLeaseLostError               this coordinator's lease expired, was released,
+                                            broken or taken over: it may not publish
 
 Bad arguments raise plain ``ValueError`` (``TypeError`` for ``None``); I/O failures of the
 underlying filesystem propagate as the ``OSError`` the filesystem raised.
@@ -46,6 +51,9 @@ __all__ = [
     "CommitStateUnknownError",
     "ForeignCheckpointError",
     "InvalidCheckpointError",
+    "JobLeaseError",
+    "JobLeaseHeldError",
+    "JobLeaseLostError",
     "StateIntegrityError",
     "StateSizeExceededError",
     "StorageConfigurationError",
@@ -130,3 +138,30 @@ class StreamClosedError(CheckpointStorageError, OSError):
 class StorageConfigurationError(CheckpointStorageError, ValueError):
     """The storage cannot be opened as configured in this process (e.g. an environment
     variable that holds a credential is not set)."""
+
+
+class JobLeaseError(CheckpointStorageError):
+    """Root of the job lease errors (one coordinator per job directory)."""
+
+
+class JobLeaseHeldError(JobLeaseError):
+    """Another coordinator holds the job's lease. ``holder``, ``epoch`` and ``expires_at``
+    (epoch seconds, by the holder's last renewal; None when unknown) describe it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        holder: str | None = None,
+        epoch: int | None = None,
+        expires_at: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.epoch = epoch
+        self.expires_at = expires_at
+
+
+class JobLeaseLostError(JobLeaseError):
+    """This coordinator no longer holds the job's lease (expired, released, broken or taken
+    over by a newer epoch): it must not publish `_metadata`; acquire the lease again."""

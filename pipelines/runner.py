@@ -14,6 +14,7 @@ checkpoint inside P); the runner restores the newest such snapshot and replays o
 batches after it. Sinks write per partition (and batch) idempotently, so replays replace.
 """
 
+import datetime as dt
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
+    DEFAULT_LEASE_TTL,
     CheckpointAlreadyExistsError,
     CheckpointMetadata,
     CheckpointNotFoundError,
@@ -237,6 +239,13 @@ class StatefulRunner:
     """Runs ``pipeline`` over its partitions, checkpointing through ``storage``. The first of
     the pipeline's partitions starts from empty state; every other one from a snapshot.
 
+    One writer per pipeline: ``run`` holds the job directory's lease (``lease_owner`` names
+    this runner, e.g. the Dagster run; ``lease_ttl`` is how long a lease outlives a crashed
+    holder) for as long as it runs, and every `_metadata` it publishes records the lease's
+    epoch; a second runner of the pipeline waits up to ``lease_wait`` seconds (default: the
+    ttl and a half, long enough for a crashed holder's lease to expire), then fails with
+    ``JobLeaseHeldError`` naming the holder.
+
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
     state file is written."""
@@ -249,6 +258,9 @@ class StatefulRunner:
         *,
         fault_hook: FaultHook | None = None,
         task_after_write: Callable[[int, int], None] | None = None,
+        lease_owner: str | None = None,
+        lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
+        lease_wait: float | None = None,
     ) -> None:
         self.spark = spark
         self.storage = storage
@@ -267,9 +279,13 @@ class StatefulRunner:
             CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
         )
         self._coordinating = False
+        self._lease_owner = lease_owner
+        self._lease_ttl = lease_ttl
+        self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
 
     def _coordinate(self) -> None:
-        """Coordinator setup before the first checkpoint or savepoint this runner writes."""
+        """Coordinator setup before the first checkpoint or savepoint this runner writes
+        (never on construction: reading changes nothing)."""
         if not self._coordinating:
             self.access.initialize_base_locations()
             self._coordinating = True
@@ -294,9 +310,25 @@ class StatefulRunner:
         if not partitions:
             return []
         self._coordinate()
-        origin, states, position = self._starting_point(
-            partitions[0], restore_from, RestoreMode(restore_mode)
+        with self.access.acquire_job_lease(
+            self._lease_owner, ttl=self._lease_ttl, wait=self._lease_wait
+        ):
+            return self._run_holding_lease(
+                partitions, restore_from, RestoreMode(restore_mode), on_partition_done,
+                on_progress,
+            )
+
+    def _run_holding_lease(
+        self, partitions, restore_from, restore_mode, on_partition_done, on_progress
+    ) -> list[PartitionResult]:
+        # The store was recovered before the lease was taken: recover it again, so that what
+        # another coordinator committed until then is seen.
+        self.store = FileSystemCompletedCheckpointStore(
+            self.access,
+            self.pipeline.max_retained_checkpoints,
+            CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
         )
+        origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
         results = []
         try:
             for partition in partitions:
@@ -416,8 +448,10 @@ class StatefulRunner:
     def next_checkpoint_id(self) -> int:
         """Above every id this runner used or sees in storage: like Flink's counter, an id
         is never reused, not even that of a checkpoint that failed and was disposed."""
-        ids = [c.checkpoint_id for c in self.store.all()] + self.access._checkpoint_ids()
-        self._last_checkpoint_id = max([*ids, self._last_checkpoint_id]) + 1
+        ids = [c.checkpoint_id for c in self.store.all()]
+        self._last_checkpoint_id = max(
+            [*(i + 1 for i in ids), self._last_checkpoint_id + 1, self.access.next_checkpoint_id()]
+        )
         return self._last_checkpoint_id
 
     def checkpoint(

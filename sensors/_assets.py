@@ -209,7 +209,10 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
             mode = RestoreMode(config.restore_mode).value
             context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")
         fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
-        runner = runner_for(pipeline, spark, checkpoint_storage, fault_hook=fault_hook)
+        runner = runner_for(
+            pipeline, spark, checkpoint_storage, fault_hook=fault_hook,
+            lease_owner=f"dagster run {context.run_id}",
+        )
 
         def record(result: PartitionResult) -> None:
             # Each partition is recorded as soon as its checkpoint completed, so a run that

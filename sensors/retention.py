@@ -2,8 +2,9 @@
 
 Each evaluation (at most every ``minimum_interval_seconds``, default hourly) does, in order:
 
-1. **Checkpoint retention** (the store's own): recovering a ``FileSystemCompletedCheckpointStore``
-   with ``max_retained_checkpoints`` subsumes (deletes) the completed checkpoints beyond it,
+1. **Checkpoint retention** (the store's own): a recovered ``FileSystemCompletedCheckpointStore``
+   with ``max_retained_checkpoints``, told to ``subsume()``, deletes the completed checkpoints
+   beyond it,
    which a crash between "new checkpoint published" and "old one subsumed" leaves behind. The
    newest completed checkpoint is never subsumed.
 2. **Garbage collection** (``collect_garbage``): unreferenced files below ``chk-<id>/`` and
@@ -229,6 +230,7 @@ def apply_retention(
         store = FileSystemCompletedCheckpointStore(
             access, max_retained, CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION
         )
+        store.subsume()  # recovery reads only; retention subsumes explicitly
         retained = {c.external_pointer.rstrip("/") for c in store.all()}
         report.subsumed_checkpoints = [p for p in before if p.rstrip("/") not in retained]
         still_there = set(report.subsumed_checkpoints) & set(

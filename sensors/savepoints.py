@@ -3,7 +3,7 @@
 
 The job's one op restores the latest completed checkpoint (or ``restore_from``) on the
 executors and writes it straight into a fresh ``savepoint-*`` directory through the savepoint
-location's reference (``StatefulRunner.take_savepoint``, DESIGN §4). It records an
+location's reference (``StatefulRunner.take_savepoint``, docs/design.md §4). It records an
 ``AssetObservation`` on the pipeline's state asset with the savepoint's pointer, size, the source
 position it holds and the id of the checkpoint it was taken from, so every savepoint shows on
 the asset's page in the UI.

@@ -14,7 +14,7 @@ import pytest
 from moto.server import DomainDispatcherApplication, ThreadedMotoServer, create_backend_app
 from werkzeug.serving import make_server
 
-# Credentials come from the environment, never from storage options (DESIGN §5).
+# Credentials come from the environment, never from storage options (docs/design.md §5).
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

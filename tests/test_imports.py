@@ -1,4 +1,4 @@
-"""The library stays free of the orchestration and compute layers (DESIGN §2)."""
+"""The library stays free of the orchestration and compute layers (docs/design.md §2)."""
 
 import json
 import subprocess

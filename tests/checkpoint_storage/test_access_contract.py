@@ -3,7 +3,7 @@
 Every test that takes ``backend`` runs against fsspec's ``memory://``, local disk and S3 (moto).
 The behaviours are those Flink pins in AbstractFileCheckpointStorageAccessTestBase,
 FsCheckpointStorageAccessTest, FsStorageEntropyTest and FileSystemCheckpointStorageTest,
-rewritten for this library's API (issue 2, DESIGN §3).
+rewritten for this library's API (issue 2, docs/design.md §3).
 """
 
 import os

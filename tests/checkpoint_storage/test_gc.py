@@ -28,7 +28,7 @@ from checkpoint_storage import (
     load_checkpoint_metadata,
 )
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage, modification_time
-from checkpoint_storage._metadata import HEADER_SIZE, MAGIC
+from checkpoint_storage._metadata import FORMAT_VERSION, HEADER_SIZE, MAGIC
 from tests.support import SHARED, finalize, fs_of, metadata, payload, read, write_state
 
 THRESHOLD = 1024
@@ -375,14 +375,15 @@ def test_a_newer_format_version_keeps_its_checkpoint_and_shared():
     fs = fs_of(backend)
     job = access.checkpoints_directory
     access.initialize_location_for_checkpoint(9)
-    header = MAGIC + (2).to_bytes(2, "big") + bytes(HEADER_SIZE - len(MAGIC) - 2)
+    newer_version = FORMAT_VERSION + 1
+    header = MAGIC + newer_version.to_bytes(2, "big") + bytes(HEADER_SIZE - len(MAGIC) - 2)
     newer = put(fs, f"{job}/chk-9/_metadata", header + b"body")
     junk = put(fs, f"{job}/shared/{uuid.uuid4().hex}", b"junk")
 
     result = collect_garbage(access, grace_period=0, now=future())
 
     assert ((), ("unknown format",)) == (result.deleted, tuple(s.reason for s in result.skipped))
-    assert "format version 2" in result.skipped[0].detail
+    assert f"format version {newer_version}" in result.skipped[0].detail
     assert {newer, junk} == files_under(fs, job)
 
 

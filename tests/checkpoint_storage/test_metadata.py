@@ -249,6 +249,7 @@ def checkpoint_metadata(draw, job: Job, checkpoint_id: int | None = None):
         properties=draw(properties),
         job_id=draw(st.none() | st.builds(JobID.generate)),
         timestamp_ms=draw(st.none() | st.integers(-(2**63), 2**63 - 1)),
+        lease_epoch=draw(st.none() | st.integers(1, 2**63 - 1)),
     )
 
 

@@ -1,4 +1,4 @@
-"""S3 request counts of the checkpoint path, measured on moto's server log (DESIGN §3.3).
+"""S3 request counts of the checkpoint path, measured on moto's server log (docs/design.md §3.3).
 
 The coordinator creates the directories once; everything after that is counted: the worker
 path (resolve a location reference, write state streams) must issue no HEAD/GET/LIST, a file

@@ -2,7 +2,7 @@
 
 Ported from the savepoint behaviours Flink pins in AbstractFileCheckpointStorageAccessTestBase
 (the four target cases) and FsCheckpointStorageAccessTest (savepoints in one directory), plus
-the relocatable-savepoint rule of DESIGN §3.3. Runs on memory://, local disk and S3 (moto).
+the relocatable-savepoint rule of docs/design.md §3.3. Runs on memory://, local disk and S3 (moto).
 """
 
 import os

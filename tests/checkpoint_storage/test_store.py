@@ -396,14 +396,23 @@ def test_file_system_store_rebuilds_itself_after_a_restart(backend):
     )
 
 
-def test_recovery_subsumes_what_a_crash_left_behind(backend):
-    """Checkpoints completed but never added (a crash before subsumption) are subsumed by
-    the next recovery: only max_retained remain."""
+def test_recovery_keeps_what_a_crash_left_behind_until_the_next_add(backend):
+    """Checkpoints completed but never added (a crash before subsumption) are recovered and
+    kept: constructing the store deletes nothing; the next add subsumes the surplus."""
     job = Job(backend)
     locations = [job.checkpoint(i)[0] for i in (1, 2, 3)]
     store = job.store(max_retained=1)
-    assert [3] == ids(store)
-    assert [False, False, True] == [
+    assert ([1, 2, 3], True) == (ids(store), store.needs_subsumption)
+    assert [True, True, True] == [job.exists(c.external_pointer + "/_metadata") for c in locations]
+
+    subsumed = store.add_checkpoint(*job.checkpoint(4))
+
+    assert ([1, 2, 3], [4], False) == (
+        sorted(c.checkpoint_id for c in subsumed),
+        ids(store),
+        store.needs_subsumption,
+    )
+    assert [False, False, False] == [
         job.exists(c.external_pointer + "/_metadata") for c in locations
     ]
 
@@ -419,3 +428,22 @@ def test_recovery_skips_an_invalid_checkpoint_with_a_warning(backend, caplog):
         store = job.store(max_retained=3)
     assert [1] == ids(store)
     assert "chk-2" in caplog.text
+
+
+def test_subsume_applies_retention_to_a_recovered_surplus_on_request(backend):
+    """store.subsume() (an explicit retention step) subsumes what exceeds max_retained right
+    away, the newest kept; without it recovery keeps everything."""
+    job = Job(backend)
+    locations = [job.checkpoint(i)[0] for i in (1, 2, 3)]
+    store = job.store(max_retained=1)
+
+    subsumed = store.subsume()
+
+    assert ([1, 2], [3], False) == (
+        [c.checkpoint_id for c in subsumed],
+        ids(store),
+        store.needs_subsumption,
+    )
+    assert [False, False, True] == [
+        job.exists(c.external_pointer + "/_metadata") for c in locations
+    ]

@@ -587,3 +587,27 @@ def test_restore_mode_decides_whether_retention_deletes_the_restored_checkpoint(
         os.path.exists(pointer),
         [SourcePosition.of(c.metadata) for c in runner.store.all()],
     )
+
+
+# --- one writer per pipeline: the job lease ------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_a_run_holds_the_job_lease_and_records_its_epoch(spark, landing, tmp_path):
+    """While another coordinator holds the pipeline's lease a run fails at once naming the
+    holder and writes nothing; once it is released, the run's `_metadata` records the epoch
+    of the lease it held, and the lease is released when the run ends."""
+    from checkpoint_storage import JobLeaseHeldError, read_job_lease, url_to_fs
+
+    runner = make_runner(spark, tmp_path, landing, lease_owner="run-b", lease_wait=0)
+    other = runner.storage.create_checkpoint_storage(runner.job_id)
+    other.initialize_base_locations()
+    with other.acquire_job_lease("run-a"), pytest.raises(JobLeaseHeldError, match="run-a"):
+        runner.run([D1])
+    assert runner.access.latest_completed_checkpoint() is None
+
+    (result,) = runner.run([D1])
+
+    epochs = {load(runner, c.pointer).lease_epoch for c in result.checkpoints_taken}
+    record = read_job_lease(*url_to_fs(runner.access.checkpoints_directory))
+    assert ({record.epoch}, "run-b", True) == (epochs, record.owner, record.released)

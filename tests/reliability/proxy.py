@@ -15,6 +15,10 @@ fault hits exactly one request. Actions:
 
 Every request is logged with the action taken (``proxy.log``). All sockets have timeouts and
 ``stop()`` closes everything, so a broken test cannot hang on the proxy.
+
+``drop_headers`` (lower-case names) are removed from every forwarded request: with
+``{"if-none-match"}`` the proxy plays an S3-compatible server that ignores conditional
+writes (the request log still shows what the client sent).
 """
 
 import contextlib
@@ -68,6 +72,7 @@ class Delay:
 
 
 PASS = "pass"
+IGNORES_CONDITIONAL_WRITES = frozenset({"if-none-match"})  # drop_headers of such a server
 RESET = "reset"
 LOST = "lost"
 SLOW_DOWN = Error(503, "SlowDown")  # s3fs retries this code itself
@@ -96,10 +101,17 @@ def client_options(endpoint_url: str, *, attempts: int = 1, timeout: float = 3.0
 class FaultProxy:
     """``with FaultProxy(upstream_url) as proxy:`` serves on ``proxy.endpoint_url``."""
 
-    def __init__(self, upstream_url: str, rule: Callable[[Request], object] | None = None):
+    def __init__(
+        self,
+        upstream_url: str,
+        rule: Callable[[Request], object] | None = None,
+        *,
+        drop_headers: frozenset[str] | set[str] = frozenset(),
+    ):
         parts = urlsplit(upstream_url)
         self._upstream = (parts.hostname, parts.port)
         self.rule = rule or (lambda request: PASS)
+        self.drop_headers = frozenset(h.lower() for h in drop_headers)
         self.log: list[tuple[Request, object]] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -157,7 +169,7 @@ class FaultProxy:
 
     def _handle(self, conn: socket.socket) -> None:
         try:
-            parsed = _read_request(conn)
+            parsed = _read_request(conn, self.drop_headers)
             if parsed is None:
                 return
             request, raw = parsed
@@ -216,8 +228,11 @@ def _read_exactly(conn: socket.socket, buffer: bytearray, n: int) -> None:
         buffer += chunk
 
 
-def _read_request(conn: socket.socket) -> tuple[Request, bytes] | None:
-    """One request from the client, and its raw bytes rewritten to ``Connection: close``."""
+def _read_request(
+    conn: socket.socket, drop_headers: frozenset[str] = frozenset()
+) -> tuple[Request, bytes] | None:
+    """One request from the client, and its raw bytes rewritten to ``Connection: close``
+    (without ``drop_headers``)."""
     buffer = bytearray()
     try:
         head_end = _read_until(conn, buffer, b"\r\n\r\n")
@@ -231,7 +246,7 @@ def _read_request(conn: socket.socket) -> tuple[Request, bytes] | None:
     for line in lines[1:]:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-        if name.strip().lower() not in ("connection", "keep-alive", "expect"):
+        if name.strip().lower() not in ("connection", "keep-alive", "expect", *drop_headers):
             kept.append(line)
     body_start = head_end + 4
     if headers.get("expect", "").lower() == "100-continue":

@@ -28,7 +28,13 @@ from checkpoint_storage import (
     store_checkpoint_metadata,
 )
 from checkpoint_storage._filesystems import roots_for_directory
-from checkpoint_storage._metadata import HEADER_SIZE, MAGIC, decode_metadata, encode_metadata
+from checkpoint_storage._metadata import (
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    decode_metadata,
+    encode_metadata,
+)
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
     CheckpointCommitFailedError,
@@ -403,7 +409,7 @@ def reseal(body: bytes) -> bytes:
     """A header that matches ``body`` (length and CRC), so mutations reach the body parser."""
     import struct
 
-    return struct.pack(">8sHHQI", MAGIC, 1, 0, len(body), zlib.crc32(body)) + body
+    return struct.pack(">8sHHQI", MAGIC, FORMAT_VERSION, 0, len(body), zlib.crc32(body)) + body
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:

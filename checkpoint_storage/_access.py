@@ -179,6 +179,14 @@ def resolve_checkpoint_pointer(
         raise _missing_checkpoint(fs, pointer, directory) from exc
     except OSError as exc:  # a symbolic link loop, no permission to look: no verdict
         raise unreadable(metadata_url, exc) from exc
+    return _completed_location(fs, directory, metadata_path, info, entropy)
+
+
+def _completed_location(
+    fs: AbstractFileSystem, directory: str, metadata_path: str, info: dict, entropy
+) -> CompletedCheckpointStorageLocation:
+    """The completed location whose `_metadata` has fsspec ``info``; ``UnreadableCheckpoint
+    Error`` naming it when that is no regular file (never opened: a FIFO would block)."""
     kind = info.get("type")
     if kind != "file":
         what = (
@@ -186,9 +194,9 @@ def resolve_checkpoint_pointer(
             if kind == "directory"
             else "not a regular file (a FIFO, socket or device?)"
         )
-        raise unreadable(metadata_url, OSError(f"it is {what}"))
+        raise unreadable(to_url(fs, metadata_path), OSError(f"it is {what}"))
     directory_url = to_url(fs, directory)
-    handle = FileStateHandle(metadata_url, int(info["size"]), filesystem=fs)
+    handle = FileStateHandle(to_url(fs, metadata_path), int(info["size"]), filesystem=fs)
     return CompletedCheckpointStorageLocation(
         directory_url, handle, filesystem=fs, roots=roots_for_directory(directory_url, entropy)
     )
@@ -327,16 +335,16 @@ class _DirectoryBasedAccess(CheckpointStorageAccess):
         self, directory: CheckpointDirectory
     ) -> CompletedCheckpointStorageLocation | None:
         """The completed location of a discovered directory (no request when the listing
-        had its `_metadata`), None when it has no `_metadata` file."""
-        info = directory.metadata_info(self._fs)
-        if info is None or info.get("type") != "file":
+        had its `_metadata`), None when it has no `_metadata`; ``UnreadableCheckpointError``
+        when its `_metadata` cannot be looked at or is no regular file."""
+        try:
+            info = directory.metadata_info(self._fs)
+        except OSError as exc:  # a symbolic link loop, no permission to look: no verdict
+            raise unreadable(to_url(self._fs, directory.metadata_path), exc) from exc
+        if info is None:
             return None
-        url = to_url(self._fs, directory.path)
-        handle = FileStateHandle(
-            to_url(self._fs, directory.metadata_path), int(info["size"]), filesystem=self._fs
-        )
-        return CompletedCheckpointStorageLocation(
-            url, handle, filesystem=self._fs, roots=roots_for_directory(url, self._entropy)
+        return _completed_location(
+            self._fs, directory.path, directory.metadata_path, info, self._entropy
         )
 
     def latest_completed_checkpoint(self) -> CompletedCheckpointStorageLocation | None:

@@ -27,6 +27,7 @@ from pipelines import (
     ParquetSink,
     PartitionOrder,
     SourcePosition,
+    SparkReadSource,
     SparkWriterSink,
     Stage,
     StatefulPipeline,
@@ -703,3 +704,47 @@ def test_position_records_the_digest_of_the_applied_batches(partly_applied):
     runner = StatefulRunner(NoSpark(), storage, counts_pipeline(partly_applied))
     raw = json.loads(runner.store.latest().metadata.master_states[POSITION_STATE])
     assert batches_digest(["batch-0.parquet", "batch-1.parquet"]) == raw["digest"]
+
+
+# --- SparkReadSource ---------------------------------------------------------------------
+
+
+def test_spark_read_source_lists_files_through_hadoop_and_reads_each(spark, tmp_path):
+    """A path source lists a partition's files through Hadoop's FileSystem in name order
+    (skipping _SUCCESS and hidden files) and reads one file per batch with Spark."""
+    day = tmp_path / f"date={DAY}"
+    day.mkdir()
+    for name, values in (("b-2.parquet", [3]), ("a-1.parquet", [1, 2])):
+        pq.write_table(pa.table({"v": pa.array(values, pa.int64())}), day / name)
+    (day / "_SUCCESS").write_text("")
+    (day / ".in-progress").write_text("")
+    source = SparkReadSource(path=f"{tmp_path}/date={{partition}}", schema="v bigint")
+
+    batches = source.batches(spark, DAY)
+
+    assert ["a-1.parquet", "b-2.parquet"] == batches
+    assert [[(1,), (2,)], [(3,)]] == [rows(source.read(spark, DAY, b)) for b in batches]
+    with pytest.raises(FileNotFoundError, match="2026-10-02"):
+        source.batches(spark, "2026-10-02")
+
+
+def test_spark_read_source_reads_a_table_filtered_per_partition(spark):
+    """A table source is one batch per partition: the table's rows of that partition."""
+    spark.createDataFrame(
+        [(DAY, 1), (DAY, 2), ("2026-10-02", 3)], "event_date string, v long"
+    ).createOrReplaceTempView("spark_read_source_events")
+    source = SparkReadSource(
+        table="spark_read_source_events", where="event_date = '{partition}'"
+    )
+
+    assert ["table"] == source.batches(spark, DAY)
+    assert [(DAY, 1), (DAY, 2)] == rows(source.read(spark, DAY, "table"))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"path": "/x/{partition}", "table": "t"}, {"path": "/x/no-placeholder"}]
+)
+def test_spark_read_source_needs_one_place_to_read(kwargs):
+    """Exactly one of path (with a {partition} placeholder) and table."""
+    with pytest.raises(ValueError, match="SparkReadSource"):
+        SparkReadSource(**kwargs)

@@ -21,7 +21,7 @@ from checkpoint_storage._file_merging import (
     SubtaskKey,
     create_file_merging_snapshot_manager,
 )
-from checkpoint_storage._filesystems import format_size, url_to_fs
+from checkpoint_storage._filesystems import format_size, options_with_environment, url_to_fs
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
@@ -190,6 +190,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_metadata",
+    "options_with_environment",
     "read_job_lease",
     "store_checkpoint_metadata",
     "url_to_fs",

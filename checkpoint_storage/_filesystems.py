@@ -30,6 +30,7 @@ from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
     CheckpointCommitFailedError,
     CommitStateUnknownError,
+    StorageConfigurationError,
     UnsafePathError,
     UnsupportedFileSystemError,
 )
@@ -51,6 +52,23 @@ def _check_url_text(url: object, what: str) -> str:
     if _CONTROL_CHARS.search(url):
         raise ValueError(f"{what} contains control characters: {url!r}")
     return url
+
+
+def options_with_environment(static: dict, from_env: dict, used_for: str) -> dict:
+    """fsspec options: ``static`` plus each option of ``from_env`` (option -> environment
+    variable) read from this process's environment now, so that secrets never travel in the
+    objects shipped to executors. ``used_for`` says in the error what needs them."""
+    options = dict(static)
+    for option, variable in from_env.items():
+        value = os.environ.get(variable)
+        if value is None:
+            raise StorageConfigurationError(
+                f"storage option {option!r} comes from environment variable {variable!r}, "
+                f"which is not set in this process (pid {os.getpid()}): set it wherever "
+                f"{used_for} are written or read, on the driver and on every executor"
+            )
+        options[option] = value
+    return options
 
 
 def url_to_fs(url: str, storage_options: dict | None = None) -> tuple[AbstractFileSystem, str]:

@@ -25,10 +25,13 @@ from checkpoint_storage._file_merging import (
     PhysicalFilePoolType,
     manager_for_job,
 )
-from checkpoint_storage._filesystems import EntropyInjector, canonical_url
+from checkpoint_storage._filesystems import (
+    EntropyInjector,
+    canonical_url,
+    options_with_environment,
+)
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
-from checkpoint_storage.exceptions import StorageConfigurationError
 
 __all__ = ["CheckpointStorage", "FileSystemCheckpointStorage", "MemoryCheckpointStorage"]
 
@@ -153,17 +156,9 @@ class FileSystemCheckpointStorage(CheckpointStorage):
     def storage_options(self) -> dict:
         """The fsspec options, with those named in ``storage_options_from_env`` read from this
         process's environment now."""
-        options = dict(self._static_options)
-        for option, variable in self.storage_options_from_env.items():
-            value = os.environ.get(variable)
-            if value is None:
-                raise StorageConfigurationError(
-                    f"storage option {option!r} comes from environment variable {variable!r}, "
-                    f"which is not set in this process (pid {os.getpid()}): set it wherever "
-                    "checkpoints are written or read, on the driver and on every executor"
-                )
-            options[option] = value
-        return options
+        return options_with_environment(
+            self._static_options, self.storage_options_from_env, "checkpoints"
+        )
 
     @property
     def entropy_injector(self) -> EntropyInjector | None:

@@ -1011,29 +1011,24 @@ def _cmd_dispose(args, options: dict) -> int:
                 f"{completed.external_pointer} is not corrupt (its _metadata is valid): "
                 "--corrupt only disposes a checkpoint whose _metadata is corrupt"
             )
-        try:
-            dispose_savepoint(completed.external_pointer, storage_options=options, corrupt=True)
-        except FileNotFoundError:
-            raise
-        except (InvalidCheckpointError, UnsafePathError, ValueError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - deletion failures: exit 1
-            _error(f"disposing {completed.external_pointer} failed: {_one_line(exc)}")
-            return EXIT_PROBLEMS
-        if args.json:
-            _print_json({"pointer": completed.external_pointer, "disposed": True})
-        else:
-            print(f"disposed corrupt {completed.external_pointer} ({_one_line(problem)})")
-        return EXIT_OK
+        message = f"disposed corrupt {completed.external_pointer} ({_one_line(problem)})"
+        return _dispose(completed, options, args, message, corrupt=True)
     metadata = completed.load_metadata()
     if not metadata.properties.is_savepoint() and not args.force:
         raise UsageError(
             f"{completed.external_pointer} is a {snapshot_kind(metadata)}, not a savepoint: "
             "checkpoints are disposed by their job's retention; pass --force to dispose it"
         )
+    message = f"disposed {completed.external_pointer}"
+    return _dispose(completed, options, args, message, force=args.force)
+
+
+def _dispose(completed, options: dict, args, message: str, **flags) -> int:
+    """``dispose_savepoint`` with the CLI's reporting: deletion failures exit 1; not found
+    (disposed concurrently), invalid and usage errors keep their own exit codes."""
     try:
-        dispose_savepoint(completed.external_pointer, storage_options=options, force=args.force)
-    except FileNotFoundError:  # disposed concurrently: not found (3)
+        dispose_savepoint(completed.external_pointer, storage_options=options, **flags)
+    except (FileNotFoundError, InvalidCheckpointError, UnsafePathError, ValueError):
         raise
     except Exception as exc:  # noqa: BLE001 - deletion failures: exit 1
         _error(f"disposing {completed.external_pointer} failed: {_one_line(exc)}")
@@ -1041,7 +1036,7 @@ def _cmd_dispose(args, options: dict) -> int:
     if args.json:
         _print_json({"pointer": completed.external_pointer, "disposed": True})
     else:
-        print(f"disposed {completed.external_pointer}")
+        print(message)
     return EXIT_OK
 
 

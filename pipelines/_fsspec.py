@@ -3,11 +3,10 @@ fsspec options, and the names of environment variables holding the secret ones. 
 plain value, shipped to executors as it is; each process reads the secrets from its own
 environment when it opens the filesystem."""
 
-import os
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from checkpoint_storage import StorageConfigurationError, url_to_fs
+from checkpoint_storage import options_with_environment, url_to_fs
 from resources import refuse_credentials
 
 __all__ = ["FileSystemLocation", "partition_directory"]
@@ -26,17 +25,9 @@ class FileSystemLocation:
 
     def options(self) -> dict:
         """The fsspec options, secrets read from this process's environment now."""
-        options = dict(self.storage_options)
-        for option, variable in self.storage_options_from_env.items():
-            value = os.environ.get(variable)
-            if value is None:
-                raise StorageConfigurationError(
-                    f"fsspec option {option!r} of {self.url} comes from environment variable "
-                    f"{variable!r}, which is not set in this process (pid {os.getpid()}): set "
-                    "it on the driver and on every executor"
-                )
-            options[option] = value
-        return options
+        return options_with_environment(
+            self.storage_options, self.storage_options_from_env, f"files at {self.url}"
+        )
 
     def filesystem(self, url: str | None = None):
         """``(fs, path)`` of ``url`` (default: this location's URL) with these options."""

@@ -4,7 +4,7 @@ Layout::
 
     <job dir>/_lease/epoch-<n>     n: 20 decimal digits, so names sort like numbers
 
-Each ``epoch-<n>`` object is a small JSON record (no pickle): format, epoch, owner, token,
+Each ``epoch-<n>`` object is a small JSON record (plain data only): format, epoch, owner, token,
 acquired_at, renewed_at (epoch seconds, the holder's clock), ttl_seconds, released,
 broken_by. The lease is the record with the highest epoch:
 

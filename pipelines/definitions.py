@@ -8,7 +8,9 @@ share, on the embedded defaults unless the environment says otherwise:
   ``CHECKPOINT_STORAGE_OPTIONS`` (JSON of non-secret fsspec options, e.g. an S3
   ``endpoint_url``); ``PIPELINE_DATA_DIR`` (``.data`` under the project) for everything else:
   the click events' landing and report directories (``LANDING_DIR``, ``REPORT_DIR``) and the
-  page views' (``PAGE_VIEWS_DIR``).
+  page views' (``PAGE_VIEWS_DIR``); ``DATA_STORAGE_OPTIONS`` (JSON of non-secret fsspec
+  options) for the examples' data read and written through fsspec (landing zones and
+  Parquet sinks, e.g. an S3 ``endpoint_url``).
 """
 
 import json
@@ -47,13 +49,18 @@ def default_resources() -> dict:
 def _definitions() -> dg.Definitions:
     data = data_directory()
     env = os.environ.get
+    data_options = json.loads(env("DATA_STORAGE_OPTIONS", "{}"))
     return dg.Definitions.merge(
         # Pipelines defined in YAML (sensors.StatefulPipelineComponent), if any.
         dg.load_from_defs_folder(path_within_project=PROJECT_ROOT),
         click_events_definitions(
-            env("LANDING_DIR", str(data / "landing")), env("REPORT_DIR", str(data / "reports"))
+            env("LANDING_DIR", str(data / "landing")),
+            env("REPORT_DIR", str(data / "reports")),
+            storage_options=data_options,
         ),
-        page_views_definitions(env("PAGE_VIEWS_DIR", str(data / "page_views"))),
+        page_views_definitions(
+            env("PAGE_VIEWS_DIR", str(data / "page_views")), storage_options=data_options
+        ),
         dg.Definitions(
             resources=default_resources(),
             # One process (and one Spark session) per run, not one per step.

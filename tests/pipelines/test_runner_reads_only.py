@@ -8,7 +8,8 @@ from checkpoint_storage import (
     FileSystemCheckpointStorage,
     store_checkpoint_metadata,
 )
-from pipelines.runner import StatefulRunner, job_id_for
+from pipelines import StatefulRunner, job_id_for
+from pipelines.examples.click_events import click_events_pipeline
 from tests.pipelines.support import NoSpark
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,7 +19,10 @@ def test_constructing_a_runner_deletes_no_checkpoint(tmp_path):
     """Five completed checkpoints and max_retained=2: after constructing the runner all five
     `_metadata` files are still there, and its store holds all five until the next add."""
     storage = FileSystemCheckpointStorage(str(tmp_path / "cp"))
-    access = storage.create_checkpoint_storage(job_id_for("readonly"))
+    pipeline = click_events_pipeline(
+        str(tmp_path / "landing"), str(tmp_path / "report"), max_retained_checkpoints=2
+    )
+    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
     access.initialize_base_locations()
     for checkpoint_id in range(1, 6):
         out = access.initialize_location_for_checkpoint(
@@ -28,15 +32,7 @@ def test_constructing_a_runner_deletes_no_checkpoint(tmp_path):
         out.close_and_finalize_checkpoint()
     job = tmp_path / "cp" / access.job_id.hex
 
-    runner = StatefulRunner(
-        NoSpark(),
-        storage,
-        landing_dir=str(tmp_path / "landing"),
-        report_dir=str(tmp_path / "report"),
-        first_partition="2026-03-01",
-        pipeline_name="readonly",
-        max_retained=2,
-    )
+    runner = StatefulRunner(NoSpark(), storage, pipeline)
 
     assert [1, 2, 3, 4, 5] == [c.checkpoint_id for c in runner.store.all()]
     assert [True] * 5 == [(job / f"chk-{i}" / "_metadata").is_file() for i in range(1, 6)]

@@ -460,10 +460,11 @@ def check_spark_run(
                     attempts.add(state.properties["attempt"])
                 elif state.properties["attempt"] != "0":
                     speculative += 1
+    # State files only: task-owned state and the job lease's records are not GC's to take.
     files = {
         name.rstrip("/")
         for name, info in fs.find(job, detail=True).items()
-        if info.get("type") == "file" and "/taskowned/" not in name
+        if info.get("type") == "file" and "/taskowned/" not in name and "/_lease/" not in name
     }
     orphans = sorted(files - referenced)
     missing = sorted(referenced - files)

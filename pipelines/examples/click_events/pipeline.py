@@ -39,7 +39,9 @@ class LandingConfig(dg.Config):
     seed: int = 7
 
 
-def click_events_asset(landing_dir: str) -> dg.AssetsDefinition:
+def click_events_asset(
+    landing_dir: str, storage_options: dict | None = None
+) -> dg.AssetsDefinition:
     """``click_events``: each day's events landed as several Parquet batches in
     ``<landing_dir>/date=<day>/`` (generated here; a real source in production)."""
 
@@ -63,6 +65,7 @@ def click_events_asset(landing_dir: str) -> dg.AssetsDefinition:
                 events_per_batch=config.events_per_batch,
                 users=config.users,
                 seed=config.seed,
+                storage_options=storage_options,
             )
             for partition in context.partition_keys
         ]
@@ -91,7 +94,10 @@ def click_events_pipeline(
     *,
     checkpoint_interval: int = 2,
     max_retained_checkpoints: int = 3,
+    storage_options: dict | None = None,
 ) -> StatefulPipeline:
+    """The pipeline over ``<landing_dir>/date=<day>/`` (any fsspec URL; ``storage_options``
+    are its non-secret fsspec options), reporting into ``report_dir`` (a Spark path)."""
     return StatefulPipeline(
         name=NAME,
         stages=STAGES,
@@ -99,6 +105,7 @@ def click_events_pipeline(
             url=f"{landing_dir.rstrip('/')}/date={{partition}}",
             schema=EVENT_ARROW_SCHEMA,
             suffix=".parquet",
+            storage_options=dict(storage_options or {}),
         ),
         partitions=DAILY_PARTITIONS,
         sinks=[
@@ -116,7 +123,7 @@ def click_events_pipeline(
         description="Per-user event count, amount, first and last seen over deduplicated "
         "click events: the stateful stages' state, checkpointed through the checkpoint "
         "storage's worker view.",
-        deps=[click_events_asset(landing_dir)],
+        deps=[click_events_asset(landing_dir, storage_options)],
     )
 
 

@@ -272,16 +272,20 @@ class StatefulRunner:
         self._task_after_write = task_after_write
         self._last_checkpoint_id = 0
         self.access = storage.create_checkpoint_storage(self.job_id)
-        # Checkpoints outlive runs: the job is suspended between partitions, never finished.
-        self.store = FileSystemCompletedCheckpointStore(
-            self.access,
-            pipeline.max_retained_checkpoints,
-            CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
-        )
+        self.store = self._recover_store()
         self._coordinating = False
         self._lease_owner = lease_owner
         self._lease_ttl = lease_ttl
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
+
+    def _recover_store(self) -> FileSystemCompletedCheckpointStore:
+        """The completed checkpoints of the pipeline's job directory (reads only). Checkpoints
+        outlive runs: the job is suspended between partitions, never finished."""
+        return FileSystemCompletedCheckpointStore(
+            self.access,
+            self.pipeline.max_retained_checkpoints,
+            CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
+        )
 
     def _coordinate(self) -> None:
         """Coordinator setup before the first checkpoint or savepoint this runner writes
@@ -323,11 +327,7 @@ class StatefulRunner:
     ) -> list[PartitionResult]:
         # The store was recovered before the lease was taken: recover it again, so that what
         # another coordinator committed until then is seen.
-        self.store = FileSystemCompletedCheckpointStore(
-            self.access,
-            self.pipeline.max_retained_checkpoints,
-            CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
-        )
+        self.store = self._recover_store()
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
         results = []
         try:

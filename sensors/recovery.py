@@ -4,13 +4,13 @@
 (``<pipeline>_job``). For a failed run it requests one recovery run of that job over the
 failed run's partitions that did not complete: the partitions whose materialization of the
 pipeline's state asset the failed run recorded are done (each was recorded as soon as its
-checkpoint completed), so the
-recovery starts at the first one that is not. It restores from the latest completed
-checkpoint: the runner picks the newest retained checkpoint that fits the first partition,
-which is the checkpoint the failed run took last (at the end of the previous partition, or
-part-way into this one), and replays only the batches after it. When the failed run named a
-``restore_from`` (a backfill from a savepoint) and completed no partition, the recovery keeps
-that ``restore_from``; once it completed one, its own checkpoints continue it.
+checkpoint completed), so the recovery starts at the first one that is not. It restores from
+the latest completed checkpoint: the runner picks the newest retained checkpoint that fits
+the first partition, which is the checkpoint the failed run took last (at the end of the
+previous partition, or part-way into this one), and replays only the batches after it. When
+the failed run named a ``restore_from`` (a backfill from a savepoint) and completed no
+partition, the recovery keeps that ``restore_from``; once it completed one, its own
+checkpoints continue it.
 
 - **One request per failed run**: the run key is the failed run's id (the daemon never launches
   a run key twice), and a failed run that already has a recovery run (tag

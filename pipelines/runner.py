@@ -272,11 +272,19 @@ class StatefulRunner:
         self._task_after_write = task_after_write
         self._last_checkpoint_id = 0
         self.access = storage.create_checkpoint_storage(self.job_id)
-        self.store = self._recover_store()
+        self._store: FileSystemCompletedCheckpointStore | None = None
         self._coordinating = False
         self._lease_owner = lease_owner
         self._lease_ttl = lease_ttl
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
+
+    @property
+    def store(self) -> FileSystemCompletedCheckpointStore:
+        """The pipeline's completed checkpoints, recovered from storage when first needed (a
+        run recovers it again once it holds the job lease)."""
+        if self._store is None:
+            self._store = self._recover_store()
+        return self._store
 
     def _recover_store(self) -> FileSystemCompletedCheckpointStore:
         """The completed checkpoints of the pipeline's job directory (reads only). Checkpoints
@@ -325,9 +333,8 @@ class StatefulRunner:
     def _run_holding_lease(
         self, partitions, restore_from, restore_mode, on_partition_done, on_progress
     ) -> list[PartitionResult]:
-        # The store was recovered before the lease was taken: recover it again, so that what
-        # another coordinator committed until then is seen.
-        self.store = self._recover_store()
+        # Recovered under the lease: whatever another coordinator committed before is seen.
+        self._store = self._recover_store()
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
         results = []
         try:

@@ -211,7 +211,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
         runner = runner_for(
             pipeline, spark, checkpoint_storage, fault_hook=fault_hook,
-            lease_owner=f"dagster run {context.run_id}",
+            lease_owner=f"dagster run {context.run.run_id}",
         )
 
         def record(result: PartitionResult) -> None:

@@ -1,8 +1,9 @@
 """Stateful PySpark pipelines with Flink-style checkpoints.
 
 Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
-with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``). Everything a
-pipeline needs is exported here; examples live in ``pipelines.examples``.
+with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``); read the
+state of a checkpoint or savepoint with ``read_state`` (or Spark's ``checkpoint`` format).
+Everything a pipeline needs is exported here; examples live in ``pipelines.examples``.
 """
 
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
@@ -23,30 +24,57 @@ from pipelines.runner import (
     empty_state,
     job_id_for,
 )
+from pipelines.state_reader import (
+    STATE_FORMATS,
+    PipelineSnapshot,
+    StateFormat,
+    StateHandleRef,
+    StatePart,
+    StateReadError,
+    UnknownStageError,
+    open_snapshot,
+    read_state,
+    read_state_part,
+    state_stages,
+)
+from pipelines.state_source import CheckpointDataSource, register_checkpoint_source
 
 __all__ = [
     "PIPELINE_NAME_STATE",
     "POSITION_STATE",
     "SCHEDULED_SAVEPOINTS",
     "SOURCE",
+    "STATE_FORMATS",
     "BatchListChangedError",
+    "CheckpointDataSource",
     "CheckpointSummary",
     "FileSource",
     "MissingStateError",
     "ParquetSink",
     "PartitionOrder",
     "PartitionResult",
+    "PipelineSnapshot",
     "Sink",
     "Source",
     "SourcePosition",
     "SparkReadSource",
     "SparkWriterSink",
     "Stage",
+    "StateFormat",
+    "StateHandleRef",
+    "StatePart",
+    "StateReadError",
     "StatefulPipeline",
     "StatefulRunner",
+    "UnknownStageError",
     "arrow_schema",
     "batches_digest",
     "check_restore_from",
     "empty_state",
     "job_id_for",
+    "open_snapshot",
+    "read_state",
+    "read_state_part",
+    "register_checkpoint_source",
+    "state_stages",
 ]

@@ -59,6 +59,7 @@ from pipelines.state_io import (
     read_state_partition,
     write_state_partition,
 )
+from pipelines.state_reader import PIPELINE_NAME_STATE, POSITION_STATE, SCHEMA_STATE_PREFIX
 
 __all__ = [
     "PIPELINE_NAME_STATE",
@@ -78,9 +79,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POSITION_STATE = "source-position"
-PIPELINE_NAME_STATE = "pipeline-name"
-SCHEMA_STATE_PREFIX = "state-schema/"
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
 

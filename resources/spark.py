@@ -2,13 +2,14 @@
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
-__all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
+__all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session", "on_session_created"]
 
 # Settings this project's pipelines rely on; `conf` overrides them.
 DEFAULT_SPARK_CONF: dict[str, str] = {
@@ -41,12 +42,25 @@ def build_spark_session(
     return builder.getOrCreate()
 
 
+_SESSION_SETUPS: list[Callable[[SparkSession], None]] = []
+
+
+def on_session_created(setup: Callable[[SparkSession], None]) -> None:
+    """Have every ``SparkResource`` run ``setup`` on its session when it first hands it out
+    (once per setup). Imports point from pipelines to resources, so this is how pipelines
+    adds to the session (its ``checkpoint`` data source) without resources importing it."""
+    if setup not in _SESSION_SETUPS:
+        _SESSION_SETUPS.append(setup)
+
+
 class SparkResource(ConfigurableResource):
     """A SparkSession, created on first use and stopped at teardown (only if this resource
     started it: a session that already existed, e.g. a test's, is left running).
 
     ``master`` may be any Spark master URL: ``local[*]``, ``spark://host:7077``, ``yarn``,
-    ``k8s://...``. The resource itself never travels to executors.
+    ``k8s://...``. The resource itself never travels to executors. The session comes with
+    what ``on_session_created`` added (importing ``pipelines`` adds the ``checkpoint`` data
+    source: ``session.read.format("checkpoint")``).
     """
 
     master: str = "local[*]"
@@ -60,7 +74,10 @@ class SparkResource(ConfigurableResource):
     def session(self) -> SparkSession:
         if self._session is None:
             existed = SparkSession.getActiveSession() is not None
-            self._session = build_spark_session(self.master, self.app_name, self.conf)
+            session = build_spark_session(self.master, self.app_name, self.conf)
+            for setup in _SESSION_SETUPS:
+                setup(session)
+            self._session = session
             self._started_here = not existed
         return self._session
 

@@ -48,7 +48,7 @@ PROG = "checkpoints"
 
 def register(app: typer.Typer) -> None:
     """Add ``read`` to the ``checkpoints`` typer app (the entry point's hook)."""
-    app.command("read", help=__doc__.split("\n\n")[0])(read)
+    app.command("read")(read)
 
 
 def parse_storage_options(flags: Iterable[str] | None) -> dict:
@@ -105,7 +105,10 @@ def _parse_where(items: Iterable[str] | None) -> dict[str, str]:
 
 
 def read(
-    pointer: Annotated[str, typer.Argument(help="The checkpoint or savepoint (dir or _metadata).")],
+    pointer: Annotated[
+        str,
+        typer.Argument(metavar="POINTER", help="A checkpoint or savepoint (its dir or _metadata)."),
+    ],
     stage: Annotated[str, typer.Option("--stage", help="The stage whose state to read.")],
     limit: Annotated[
         int | None,
@@ -125,7 +128,8 @@ def read(
         typer.Option("--storage-option", "-o", metavar="KEY=VALUE", help="An fsspec option."),
     ] = None,
 ) -> None:
-    """Print or export the rows of a stage's state."""
+    """Print or export the rows of a stage's state in a pipeline checkpoint or savepoint
+    (every state file verified as it is read)."""
     if sum((as_json, as_csv, parquet is not None)) > 1:
         raise typer.BadParameter("choose one of --json, --csv and --parquet")
     options = parse_storage_options(storage_option)
@@ -163,14 +167,16 @@ def _write_parquet(table: pa.Table, url: str, options: Mapping) -> None:
 def _print_table(snapshot, stage: str, table: pa.Table, limit: int) -> None:
     kind = "savepoint" if snapshot.is_savepoint else "checkpoint"
     view = Table(
-        title=Text(f"{stage} ({snapshot.pipeline_name}, {kind} {snapshot.checkpoint_id})"),
+        title=Text(
+            f"stage {stage} of pipeline {snapshot.pipeline_name}, {kind} {snapshot.checkpoint_id}"
+        ),
         caption=f"{min(limit, table.num_rows)} of {table.num_rows} rows",
     )
     for field in table.schema:
         numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) or (
             pa.types.is_decimal(field.type)
         )
-        view.add_column(field.name, justify="right" if numeric else "left")
+        view.add_column(field.name, justify="right" if numeric else "left", overflow="fold")
     for row in table.slice(0, limit).to_pylist():
         # Text, not markup: state values may hold "[...]".
         view.add_row(*(Text("null", style="dim") if v is None else Text(_text(v))

@@ -48,6 +48,8 @@ DAYS = ("2026-10-01", "2026-10-02")
 STAGES = ["dedupe", "user_activity"]
 # Between the sizes of the stages' Parquet files: some state is inline, some in files.
 FILE_STATE_THRESHOLD = 4000
+# tests/conftest.py sets these before Spark starts, so the executors have them too.
+CREDENTIALS_FROM_ENV = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY"}
 
 
 @dataclass(frozen=True)
@@ -240,8 +242,11 @@ def test_a_pointer_without_a_checkpoint_is_not_found(tmp_path):
         state_stages(str(tmp_path / "nothing"))
 
 
-def test_reader_reads_a_savepoint_on_s3(snapshots, expected, s3_server, s3_bucket):
-    """A savepoint copied to S3 (moto) reads back the same rows through storage options."""
+def test_a_savepoint_on_s3_reads_with_and_without_spark(
+    spark, snapshots, expected, s3_server, s3_bucket
+):
+    """A savepoint copied to S3 (moto) reads back the same rows through storage options: in
+    Python, and in Spark with the credentials taken from each executor's environment."""
     options = s3_server.storage_options
     pointer = copy_savepoint(
         snapshots.savepoint, f"s3://{s3_bucket}/savepoints", target_storage_options=options
@@ -249,8 +254,17 @@ def test_reader_reads_a_savepoint_on_s3(snapshots, expected, s3_server, s3_bucke
     read = {
         stage: table_rows(read_state(pointer, stage, storage_options=options)) for stage in STAGES
     }
+    frame = (
+        spark.read.format("checkpoint")
+        .option("stage", "dedupe")
+        .option("storage_options", json.dumps(options))
+        .option("storage_options_from_env", json.dumps(CREDENTIALS_FROM_ENV))
+        .load(pointer)
+    )
 
-    assert expected[snapshots.savepoint] == read
+    assert (expected[snapshots.savepoint], expected[snapshots.savepoint]["dedupe"]) == (
+        read, table_rows(frame.toArrow())
+    )
 
 
 # --- the Spark data source -----------------------------------------------------------------

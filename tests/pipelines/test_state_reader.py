@@ -38,7 +38,7 @@ from pipelines import (
     register_checkpoint_source,
     state_stages,
 )
-from pipelines.cli import register
+from pipelines.cli import parse_storage_options, register
 from pipelines.examples.click_events import click_events_pipeline, generate_day
 from resources import SparkResource
 
@@ -243,10 +243,11 @@ def test_a_pointer_without_a_checkpoint_is_not_found(tmp_path):
 
 
 def test_a_savepoint_on_s3_reads_with_and_without_spark(
-    spark, snapshots, expected, s3_server, s3_bucket
+    spark, snapshots, expected, s3_server, s3_bucket, tmp_path
 ):
     """A savepoint copied to S3 (moto) reads back the same rows through storage options: in
-    Python, and in Spark with the credentials taken from each executor's environment."""
+    Python, in Spark with the credentials taken from each executor's environment, and with
+    ``checkpoints read --storage-option``."""
     options = s3_server.storage_options
     pointer = copy_savepoint(
         snapshots.savepoint, f"s3://{s3_bucket}/savepoints", target_storage_options=options
@@ -261,9 +262,19 @@ def test_a_savepoint_on_s3_reads_with_and_without_spark(
         .option("storage_options_from_env", json.dumps(CREDENTIALS_FROM_ENV))
         .load(pointer)
     )
+    cli = run_cli(
+        pointer, "--stage", "user_activity", "--parquet", str(tmp_path / "out.parquet"),
+        "--storage-option", f"endpoint_url={options['endpoint_url']}",
+    )
 
-    assert (expected[snapshots.savepoint], expected[snapshots.savepoint]["dedupe"]) == (
-        read, table_rows(frame.toArrow())
+    assert (
+        expected[snapshots.savepoint],
+        expected[snapshots.savepoint]["dedupe"],
+        (0, expected[snapshots.savepoint]["user_activity"]),
+    ) == (
+        read,
+        table_rows(frame.toArrow()),
+        (cli.exit_code, table_rows(pq.read_table(tmp_path / "out.parquet"))),
     )
 
 
@@ -375,3 +386,14 @@ def test_cli_errors_have_one_line_and_their_exit_code(snapshots, tmp_path):
         (r.exit_code, len(r.stderr.splitlines()), message in r.stderr)
         for r, (_, message) in zip(results, cases, strict=True)
     ]
+
+
+def test_storage_options_come_from_the_environment_and_the_flags(monkeypatch):
+    """Flags override $CHECKPOINTS_STORAGE_OPTIONS; a flag value is JSON when it parses, else
+    text; a flag without '=' is a usage error."""
+    monkeypatch.setenv("CHECKPOINTS_STORAGE_OPTIONS", '{"anon": false, "endpoint_url": "a"}')
+    options = parse_storage_options(["endpoint_url=http://b:9000", "anon=true", "retries=3"])
+
+    assert {"anon": True, "endpoint_url": "http://b:9000", "retries": 3} == options
+    with pytest.raises(typer.BadParameter, match="KEY=VALUE"):
+        parse_storage_options(["endpoint_url"])

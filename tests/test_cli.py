@@ -350,18 +350,14 @@ def test_verify_corrupt_metadata_exits_4(layout):
     assert "not a valid or complete checkpoint" in error_line(result)
 
 
-def test_progress_bar_only_on_a_terminal(layout):
-    """On a TTY, verify draws a progress bar on stderr up to 100%; through a pipe, nothing
-    (the installed script as a subprocess, its stderr a pseudo-terminal)."""
+def on_terminal(*args, stream: str) -> tuple[int, str, str]:
+    """The installed script run with ``stream`` ("stdout" or "stderr") on a pseudo-terminal
+    and the other through a pipe: (exit code, what the terminal showed, the pipe's text)."""
+    env = {k: v for k, v in environment({"TERM": "xterm-256color"}).items() if k != "NO_COLOR"}
     primary, secondary = pty.openpty()
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: secondary}
     try:
-        process = subprocess.Popen(
-            [*command(), "verify", layout.chk2.external_pointer],
-            stdout=subprocess.PIPE,
-            stderr=secondary,
-            env=environment(),
-            cwd=ROOT,
-        )
+        process = subprocess.Popen([*command(), *map(str, args)], env=env, cwd=ROOT, **streams)
         os.close(secondary)
         secondary = -1
         chunks = []
@@ -373,17 +369,33 @@ def test_progress_bar_only_on_a_terminal(layout):
             if not chunk:
                 break
             chunks.append(chunk)
-        stdout, _ = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=60)
     finally:
         os.close(primary)
         if secondary >= 0:
             os.close(secondary)
-    terminal = b"".join(chunks).decode()
+    piped = stderr if stream == "stdout" else stdout
+    return process.returncode, b"".join(chunks).decode(), piped.decode()
 
-    assert 0 == process.returncode
+
+def test_progress_bar_only_on_a_terminal(layout):
+    """On a TTY, verify draws a progress bar on stderr up to 100%; through a pipe, nothing."""
+    code, terminal, stdout = on_terminal("verify", layout.chk2.external_pointer, stream="stderr")
+
+    assert 0 == code
     assert "verifying" in terminal and "100%" in terminal
-    assert "verifying" not in stdout.decode()
+    assert "verifying" not in stdout
     assert "" == run_installed("verify", layout.chk2.external_pointer).stderr
+
+
+def test_colours_only_on_a_terminal(layout):
+    """A table is coloured (ANSI escapes) on a terminal and plain text through a pipe."""
+    code, terminal, _ = on_terminal("list", layout.job_dir, stream="stdout")
+    piped = run_installed("list", layout.job_dir)
+
+    assert (0, 0) == (code, piped.returncode)
+    assert ("\x1b[" in terminal, "\x1b[" in piped.stdout) == (True, False)
+    assert "completed" in terminal and "completed" in piped.stdout
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
     DEFAULT_LEASE_TTL,
+    JOB_NAME_STATE,
+    SOURCE_POSITION_STATE,
+    STATE_SCHEMA_PREFIX,
     CheckpointAlreadyExistsError,
     CheckpointMetadata,
     CheckpointNotFoundError,
@@ -78,9 +81,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POSITION_STATE = "source-position"
-PIPELINE_NAME_STATE = "pipeline-name"
-SCHEMA_STATE_PREFIX = "state-schema/"
+# The master states every checkpoint of a pipeline carries, under checkpoint_storage's
+# well-known names (which the `checkpoints` command decodes).
+POSITION_STATE = SOURCE_POSITION_STATE
+PIPELINE_NAME_STATE = JOB_NAME_STATE
+SCHEMA_STATE_PREFIX = STATE_SCHEMA_PREFIX
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
 

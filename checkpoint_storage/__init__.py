@@ -43,6 +43,11 @@ from checkpoint_storage._locations import (
     CheckpointStorageLocation,
     CompletedCheckpointStorageLocation,
 )
+from checkpoint_storage._master_states import (
+    JOB_NAME_STATE,
+    SOURCE_POSITION_STATE,
+    STATE_SCHEMA_PREFIX,
+)
 from checkpoint_storage._metadata import (
     CheckpointMetadata,
     CheckpointProperties,
@@ -112,6 +117,9 @@ __all__ = [
     "DEFAULT_FILE_STATE_THRESHOLD",
     "DEFAULT_LEASE_TTL",
     "DEFAULT_WRITE_BUFFER_SIZE",
+    "JOB_NAME_STATE",
+    "SOURCE_POSITION_STATE",
+    "STATE_SCHEMA_PREFIX",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
     "CheckpointCommitFailedError",

@@ -1,29 +1,17 @@
 """``checkpoints read``: the rows of a stage's state in a pipeline checkpoint or savepoint.
 
-A plugin of the ``checkpoints`` command (entry point group ``checkpoint_storage.cli``:
-``register(app)`` adds the command to its typer app)::
+A plugin of the ``checkpoints`` command (entry point group ``checkpoint_storage.cli``;
+``register(app)`` adds the command), built on its helpers so that it behaves like the
+built-in commands: the same ``--storage-option``/``-o`` and ``$CHECKPOINTS_STORAGE_OPTIONS``,
+one-line redacted errors and the same exit codes::
 
     checkpoints read POINTER --stage NAME [--limit N] [--where COLUMN=VALUE ...]
-                     [--json | --csv | --parquet PATH] [--storage-option KEY=VALUE ...]
-
-Output: a table of the first ``--limit`` rows (default 20) with a footer "N of M rows";
-``--json`` prints JSON lines (one object per row: times in ISO 8601, decimals as strings,
-bytes as hex), ``--csv`` CSV with a header, ``--parquet PATH`` writes a Parquet file (a local
-path or fsspec URL, read with the same storage options; an existing file is kept). These
-three write every matching row unless ``--limit`` is given. ``--where`` keeps rows whose
-column equals the value (converted to the column's type; repeat it: all must hold).
-
-Every file is verified (size and CRC-32) as it is read. Exit codes are those of
-``checkpoints``: 2 usage (an unknown stage or column, a value of the wrong type), 3 no
-checkpoint at POINTER, 4 invalid or corrupt (a state file that fails its checksum or is
-missing), 5 any other error (e.g. storage I/O).
+                     [--json | --csv | --parquet PATH] [-o KEY=VALUE ...]
 """
 
 import datetime as dt
 import io
 import json
-import os
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Annotated
 
@@ -31,157 +19,142 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import typer
-from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
 from checkpoint_storage import url_to_fs
-from checkpoint_storage.cli import exit_code_for
-from pipelines.state_reader import open_snapshot
+from checkpoint_storage.cli import (
+    StorageOption,
+    UsageError,
+    echo,
+    location,
+    new_table,
+    print_table,
+    run_command,
+    storage_options,
+)
+from pipelines.state_reader import PipelineSnapshot, open_snapshot
 
-__all__ = ["DEFAULT_TABLE_ROWS", "exit_code", "parse_storage_options", "register", "rows_as_json"]
+__all__ = ["DEFAULT_TABLE_ROWS", "read_command", "register", "rows_as_json"]
 
-ENV_STORAGE_OPTIONS = "CHECKPOINTS_STORAGE_OPTIONS"
 DEFAULT_TABLE_ROWS = 20
-PROG = "checkpoints"
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``read`` to the ``checkpoints`` typer app (the entry point's hook)."""
-    app.command("read")(read)
+    """Add ``read`` to the ``checkpoints`` app (the ``checkpoint_storage.cli`` entry point)."""
+    app.command("read")(read_command)
 
 
-def parse_storage_options(flags: Iterable[str] | None) -> dict:
-    """fsspec options: the JSON object in ``$CHECKPOINTS_STORAGE_OPTIONS``, then each
-    ``KEY=VALUE`` flag (VALUE as JSON when it parses, else as text)."""
-    options: dict = {}
-    raw = os.environ.get(ENV_STORAGE_OPTIONS, "")
-    if raw.strip():
-        try:
-            parsed = json.loads(raw)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise typer.BadParameter(
-                f"${ENV_STORAGE_OPTIONS} must be a JSON object of storage options"
-            )
-        options.update(parsed)
-    for flag in flags or ():
-        key, sep, value = flag.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(
-                "give storage options as KEY=VALUE (the '=' is missing)",
-                param_hint="--storage-option",
-            )
-        try:
-            options[key.strip()] = json.loads(value)
-        except ValueError:
-            options[key.strip()] = value
-    return options
-
-
-def exit_code(exc: BaseException) -> int:
-    """The exit code of an error: 2 usage, 3 not found, 4 invalid or corrupt, 5 other."""
-    return exit_code_for(exc)
-
-
-def _fail(exc: BaseException, options: Mapping) -> typer.Exit:
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    for value in options.values():  # option values are never printed
-        if isinstance(value, str) and len(value) >= 4:
-            message = message.replace(value, "***")
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return typer.Exit(exit_code(exc))
-
-
-def _parse_where(items: Iterable[str] | None) -> dict[str, str]:
-    where = {}
-    for item in items or ():
-        column, sep, value = item.partition("=")
-        if not sep or not column:
-            raise typer.BadParameter(f"{item!r} is not COLUMN=VALUE", param_hint="--where")
-        where[column] = value
-    return where
-
-
-def read(
-    pointer: Annotated[
-        str,
-        typer.Argument(metavar="POINTER", help="A checkpoint or savepoint (its dir or _metadata)."),
+def read_command(
+    pointer: Annotated[str, typer.Argument(metavar="POINTER", show_default=False)],
+    stage: Annotated[
+        str, typer.Option("--stage", metavar="NAME", help="the stage whose state to read")
     ],
-    stage: Annotated[str, typer.Option("--stage", help="The stage whose state to read.")],
     limit: Annotated[
         int | None,
-        typer.Option(min=0, help=f"At most N rows (table default: {DEFAULT_TABLE_ROWS})."),
+        typer.Option(
+            min=0, metavar="N", show_default=False,
+            help=f"at most N rows (the table: {DEFAULT_TABLE_ROWS} unless given)",
+        ),
     ] = None,
     where: Annotated[
         list[str] | None,
-        typer.Option("--where", metavar="COLUMN=VALUE", help="Keep rows where COLUMN=VALUE."),
+        typer.Option(
+            "--where", metavar="COLUMN=VALUE", show_default=False,
+            help="keep rows whose COLUMN equals VALUE (repeatable: all must hold)",
+        ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON lines, one per row.")] = False,
-    as_csv: Annotated[bool, typer.Option("--csv", help="CSV with a header.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="JSON lines: one object per row")
+    ] = False,
+    csv_output: Annotated[bool, typer.Option("--csv", help="CSV with a header row")] = False,
     parquet: Annotated[
-        str | None, typer.Option("--parquet", metavar="PATH", help="Write a Parquet file.")
+        str | None,
+        typer.Option("--parquet", metavar="PATH", show_default=False,
+                     help="write the rows to a new Parquet file (path or fsspec URL)"),
     ] = None,
-    storage_option: Annotated[
-        list[str] | None,
-        typer.Option("--storage-option", "-o", metavar="KEY=VALUE", help="An fsspec option."),
-    ] = None,
+    storage_option: StorageOption = None,
 ) -> None:
-    """Print or export the rows of a stage's state in a pipeline checkpoint or savepoint
-    (every state file verified as it is read)."""
-    if sum((as_json, as_csv, parquet is not None)) > 1:
-        raise typer.BadParameter("choose one of --json, --csv and --parquet")
-    options = parse_storage_options(storage_option)
-    conditions = _parse_where(where)
-    try:
-        snapshot = open_snapshot(pointer, storage_options=options)
-        table = snapshot.read(stage, where=conditions)
-        shown = table if limit is None else table.slice(0, limit)
-        if as_json:
-            for line in rows_as_json(shown):
-                typer.echo(line)
-        elif as_csv:
-            out = io.BytesIO()
-            pacsv.write_csv(shown, out)
-            typer.echo(out.getvalue().decode(), nl=False)
-        elif parquet is not None:
-            _write_parquet(shown, parquet, options)
-            print(f"wrote {shown.num_rows} rows of stage {stage} to {parquet}", file=sys.stderr)
-        else:
-            _print_table(snapshot, stage, table, DEFAULT_TABLE_ROWS if limit is None else limit)
-    except typer.Exit:
-        raise
-    except Exception as exc:  # noqa: BLE001 - one line and a documented exit code
-        raise _fail(exc, options) from None
+    """Print or export the rows of a stage's state.
+
+    Reads the state of stage NAME in the pipeline checkpoint or savepoint POINTER, every
+    state file verified (size and CRC-32) as it is read. Prints a table of the first rows
+    (20, or --limit) with a footer "N of M rows". --json prints JSON lines (one object per
+    row: times in ISO 8601, decimals as strings, bytes as hex), --csv CSV with a header,
+    --parquet PATH writes a Parquet file (never over an existing one); these three give every
+    matching row unless --limit is given. --where COLUMN=VALUE keeps rows whose column equals
+    VALUE, converted to the column's type (a time without offset is in the column's zone).
+    Exit 2: an unknown stage or column, or a value of the wrong type; 3: no checkpoint at
+    POINTER; 4: not a pipeline's, or a state file is corrupt or missing (named).
+    """
+    run_command(
+        lambda: _read(
+            pointer, stage, limit, where, json_output, csv_output, parquet,
+            storage_options(storage_option),
+        )
+    )
+
+
+def _read(
+    pointer: str,
+    stage: str,
+    limit: int | None,
+    where: list[str] | None,
+    json_output: bool,
+    csv_output: bool,
+    parquet: str | None,
+    options: dict,
+) -> None:
+    if sum((json_output, csv_output, parquet is not None)) > 1:
+        raise UsageError("choose one of --json, --csv and --parquet")
+    conditions = _where(where)
+    snapshot = open_snapshot(location(pointer), storage_options=options)
+    table = snapshot.read(stage, where=conditions)
+    rows = table if limit is None else table.slice(0, limit)
+    if json_output:
+        for line in rows_as_json(rows):
+            echo(line)
+    elif csv_output:
+        out = io.BytesIO()
+        pacsv.write_csv(rows, out)
+        echo(out.getvalue().decode().rstrip("\n"))
+    elif parquet is not None:
+        _write_parquet(rows, location(parquet), options)
+        echo(f"wrote {rows.num_rows} rows of stage {stage} to {parquet}", err=True)
+    else:
+        _print_rows(snapshot, stage, table, DEFAULT_TABLE_ROWS if limit is None else limit)
+
+
+def _where(items: Iterable[str] | None) -> dict[str, str]:
+    conditions = {}
+    for item in items or ():
+        column, sep, value = item.partition("=")
+        if not sep or not column:
+            raise UsageError(f"--where {item!r}: give COLUMN=VALUE")
+        conditions[column] = value
+    return conditions
 
 
 def _write_parquet(table: pa.Table, url: str, options: Mapping) -> None:
     fs, path = url_to_fs(url, dict(options))
     if fs.exists(path):
-        raise FileExistsError(f"--parquet {url} exists: remove it or choose another path")
+        raise UsageError(f"--parquet {url} exists: remove it or choose another path")
     with fs.open(path, "wb") as f:
         pq.write_table(table, f)
 
 
-def _print_table(snapshot, stage: str, table: pa.Table, limit: int) -> None:
+def _print_rows(snapshot: PipelineSnapshot, stage: str, table: pa.Table, limit: int) -> None:
     kind = "savepoint" if snapshot.is_savepoint else "checkpoint"
-    view = Table(
-        title=Text(
-            f"stage {stage} of pipeline {snapshot.pipeline_name}, {kind} {snapshot.checkpoint_id}"
-        ),
-        caption=f"{min(limit, table.num_rows)} of {table.num_rows} rows",
-    )
-    for field in table.schema:
-        numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) or (
-            pa.types.is_decimal(field.type)
-        )
-        view.add_column(field.name, justify="right" if numeric else "left", overflow="fold")
+    echo(f"stage {stage} of pipeline {snapshot.pipeline_name}, {kind} {snapshot.checkpoint_id}")
+    numeric = [
+        field.name for field in table.schema
+        if pa.types.is_integer(field.type) or pa.types.is_floating(field.type)
+        or pa.types.is_decimal(field.type)
+    ]
+    view = new_table(*table.schema.names, right=numeric, fold=table.schema.names)
     for row in table.slice(0, limit).to_pylist():
-        # Text, not markup: state values may hold "[...]".
-        view.add_row(*(Text("null", style="dim") if v is None else Text(_text(v))
-                       for v in row.values()))
-    Console().print(view)
+        view.add_row(*(Text("null", style="dim") if v is None else _text(v) for v in row.values()))
+    print_table(view)
+    echo(f"{min(limit, table.num_rows)} of {table.num_rows} rows")
 
 
 def _text(value: object) -> str:

@@ -29,6 +29,9 @@ from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
     DEFAULT_LEASE_TTL,
+    JOB_NAME_STATE,
+    SOURCE_POSITION_STATE,
+    STATE_SCHEMA_PREFIX,
     CheckpointAlreadyExistsError,
     CheckpointMetadata,
     CheckpointNotFoundError,
@@ -59,7 +62,6 @@ from pipelines.state_io import (
     read_state_partition,
     write_state_partition,
 )
-from pipelines.state_reader import PIPELINE_NAME_STATE, POSITION_STATE, SCHEMA_STATE_PREFIX
 
 __all__ = [
     "PIPELINE_NAME_STATE",
@@ -79,6 +81,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# The master states every checkpoint of a pipeline carries, under checkpoint_storage's
+# well-known names (which the `checkpoints` command decodes).
+POSITION_STATE = SOURCE_POSITION_STATE
+PIPELINE_NAME_STATE = JOB_NAME_STATE
+SCHEMA_STATE_PREFIX = STATE_SCHEMA_PREFIX
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
 

@@ -2,10 +2,10 @@
 Processor API does): the stages a snapshot holds, their schemas, and their rows as Arrow.
 
 A snapshot's `_metadata` names each stage's state handles (operator state ``<stage>``) and
-records the pipeline's name, its source position and each stage's Arrow schema as master
-states (the names below: this module is where the layout of a pipeline snapshot is written
-down; the runner writes it). Every handle is read whole through its ``open()``, which checks
-a file's size and CRC-32 as it reads, before any byte is decoded.
+records the pipeline's name and each stage's Arrow schema as master states (the well-known
+``checkpoint_storage.JOB_NAME_STATE`` and ``STATE_SCHEMA_PREFIX``). Every handle is read
+whole through its ``open()``, which checks a file's size and CRC-32 as it reads, before any
+byte is decoded.
 
 How a stage's state is stored decides how it is read: ``STATE_FORMATS`` maps the format a
 snapshot records for a stage (master state ``state-format/<stage>``; absent: a DataFrame
@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from checkpoint_storage import (
+    JOB_NAME_STATE,
+    STATE_SCHEMA_PREFIX,
     ByteStreamStateHandle,
     CheckpointedStateScope,
     CheckpointMetadata,
@@ -42,9 +44,6 @@ from checkpoint_storage import (
 
 __all__ = [
     "DATAFRAME_STATE",
-    "PIPELINE_NAME_STATE",
-    "POSITION_STATE",
-    "SCHEMA_STATE_PREFIX",
     "STATE_FORMAT_PREFIX",
     "STATE_FORMATS",
     "PipelineSnapshot",
@@ -59,10 +58,7 @@ __all__ = [
     "state_stages",
 ]
 
-# Master states of a pipeline snapshot.
-POSITION_STATE = "source-position"
-PIPELINE_NAME_STATE = "pipeline-name"
-SCHEMA_STATE_PREFIX = "state-schema/"
+# ``state-format/<stage>``: how the stage's state is stored (a key of STATE_FORMATS), as text.
 STATE_FORMAT_PREFIX = "state-format/"
 # The format of a stage without a ``state-format/<stage>`` master state: a DataFrame stage's
 # state, one Parquet file per Spark task (inline when small).
@@ -242,11 +238,11 @@ class PipelineSnapshot:
     def __init__(
         self, pointer: str, metadata: CheckpointMetadata, storage_options: Mapping | None = None
     ) -> None:
-        name = metadata.master_states.get(PIPELINE_NAME_STATE)
+        name = metadata.master_states.get(JOB_NAME_STATE)
         if name is None:
             raise InvalidCheckpointError(
                 f"{pointer} is a checkpoint, but not one a pipeline wrote (its `_metadata` has "
-                f"no {PIPELINE_NAME_STATE!r} master state): point at a pipeline's checkpoint "
+                f"no {JOB_NAME_STATE!r} master state): point at a pipeline's checkpoint "
                 "or savepoint"
             )
         self.pointer = pointer
@@ -287,7 +283,7 @@ class PipelineSnapshot:
         """The stage's state schema as recorded in the snapshot (master state
         ``state-schema/<stage>``); snapshots from before it was recorded: the first part's."""
         operator = self._operator(stage)
-        stored = self.metadata.master_states.get(SCHEMA_STATE_PREFIX + stage)
+        stored = self.metadata.master_states.get(STATE_SCHEMA_PREFIX + stage)
         if stored is not None:
             try:
                 return pa.ipc.read_schema(pa.py_buffer(stored))

@@ -1,21 +1,31 @@
-"""The ``checkpoints`` command (issue 3, "Operator CLI"), run as a subprocess against real local
-directories and against S3 (moto): output, JSON, exit codes, and storage option values that
-are never printed.
+"""The ``checkpoints`` command (issues 3 and 14, "Operator CLI", "Operators see and read their
+state") against real local directories and against S3 (moto): output, JSON, exit codes, storage
+option values that are never printed, shell completion and the plugin hook.
 
-Runs the installed ``checkpoints`` executable next to the interpreter when there is one, else
-``python -m checkpoint_storage.cli``.
+Most tests run the typer app in-process through typer's ``CliRunner``; a few run the installed
+``checkpoints`` executable next to the interpreter (else ``python -m checkpoint_storage.cli``)
+as a subprocess: a terminal for the progress bar, and the script itself.
 """
 
+import contextlib
+import importlib.metadata
 import json
 import os
 import pty
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
+import typer
+from typer.testing import CliRunner
 
 from checkpoint_storage import (
+    JOB_NAME_STATE,
+    SOURCE_POSITION_STATE,
+    STATE_SCHEMA_PREFIX,
     CheckpointMetadata,
     CheckpointProperties,
     FileStateHandle,
@@ -23,6 +33,7 @@ from checkpoint_storage import (
     JobID,
     OperatorState,
     OperatorSubtaskState,
+    cli,
     load_checkpoint_metadata,
 )
 from checkpoint_storage._access import resolve_checkpoint_pointer
@@ -43,6 +54,13 @@ pytestmark = pytest.mark.timeout(120)
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
 def command() -> list[str]:
     if EXECUTABLE.exists():
         return [str(EXECUTABLE)]
@@ -60,8 +78,36 @@ def environment(extra: dict | None = None) -> dict:
     return env
 
 
-def run(*args, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
+@contextlib.contextmanager
+def working_directory(path: Path):
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def invoke(app: typer.Typer, *args, env: dict | None = None, cwd: Path = ROOT) -> Ran:
+    """``app`` run in-process by typer's CliRunner, without CHECKPOINTS_* variables but
+    those in ``env``."""
+    overrides = {k: None for k in os.environ if k.startswith("CHECKPOINTS_")}
+    overrides.update(env or {})
+    with working_directory(cwd):
+        result = CliRunner().invoke(app, [str(a) for a in args], env=overrides)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def run(*args, env: dict | None = None, cwd: Path = ROOT) -> Ran:
+    """The built-in ``checkpoints`` command, in-process."""
+    return invoke(cli.build_app(plugins=False), *args, env=env, cwd=cwd)
+
+
+def run_installed(*args, env: dict | None = None, cwd: Path = ROOT) -> Ran:
+    """The installed ``checkpoints`` script, as a subprocess."""
+    result = subprocess.run(
         [*command(), *map(str, args)],
         capture_output=True,
         text=True,
@@ -69,9 +115,10 @@ def run(*args, env: dict | None = None, cwd: Path = ROOT) -> subprocess.Complete
         cwd=cwd,
         timeout=90,
     )
+    return Ran(result.returncode, result.stdout, result.stderr)
 
 
-def error_line(result: subprocess.CompletedProcess) -> str:
+def error_line(result: Ran) -> str:
     """The last stderr line, which must be the command's one-line error."""
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -80,9 +127,24 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[-1]
 
 
-def write_checkpoint(access, checkpoint_id, sizes, properties=None, subtask=0):
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The rows (split on whitespace) of the plain table whose header starts with
+    ``header``, up to the first empty line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        rows.append(line.split())
+    return rows
+
+
+def write_checkpoint(
+    access, checkpoint_id, sizes, properties=None, subtask=0, master=None, target=None
+):
     location = (
-        access.initialize_location_for_savepoint(checkpoint_id)
+        access.initialize_location_for_savepoint(checkpoint_id, target)
         if properties is not None and properties.is_savepoint()
         else access.initialize_location_for_checkpoint(checkpoint_id)
     )
@@ -91,7 +153,7 @@ def write_checkpoint(access, checkpoint_id, sizes, properties=None, subtask=0):
     md = CheckpointMetadata(
         checkpoint_id,
         (OperatorState("dedupe", 2, 8, {subtask: OperatorSubtaskState(handles, {"k": "v"})}),),
-        {"position": b"batch-17\x00"},
+        {"position": b"batch-17\x00"} if master is None else master,
         properties or CheckpointProperties.for_checkpoint(),
         access.job_id,
         1_700_000_000_000,
@@ -140,14 +202,42 @@ COMMANDS = ["list", "inspect", "verify", "latest", "gc", "dispose-savepoint", "c
 
 
 def test_help_on_every_command_documents_the_exit_codes():
-    """`--help` works on the command and every subcommand (exit 0) and lists the exit codes."""
-    results = [run("--help"), *(run(name, "--help") for name in COMMANDS)]
+    """`--help` (and `-h`) works on the command and every subcommand (exit 0) and lists the
+    exit codes."""
+    results = [run("--help"), *(run(name, "--help") for name in COMMANDS), run("lease", "-h")]
 
-    assert [0] * 8 == [r.returncode for r in results]
-    for name, result in zip(["", *COMMANDS], results, strict=True):
-        assert f"usage: checkpoints {name}".strip() in result.stdout
+    assert [0] * 9 == [r.returncode for r in results]
+    for name, result in zip(["", *COMMANDS, "lease"], results, strict=True):
+        assert f"Usage: checkpoints {name}".strip() in result.stdout
         assert "exit codes:" in result.stdout
         assert "3  checkpoint or directory not found" in result.stdout
+
+
+def test_the_installed_script_runs_the_same_command():
+    """The `checkpoints` script (pyproject's entry point, `checkpoint_storage.cli:main`)
+    shows the same help and ends a usage error with exit 2 and one error line."""
+    help_text = run_installed("--help")
+    usage = run_installed("verify")
+
+    assert (0, 2) == (help_text.returncode, usage.returncode)
+    assert "Usage: checkpoints [OPTIONS] COMMAND [ARGS]..." in help_text.stdout
+    assert "checkpoints: error: Missing argument 'POINTER'; see 'checkpoints verify --help'" == (
+        error_line(usage)
+    )
+
+
+def test_main_returns_the_exit_code(tmp_path, capsys):
+    """`main(argv)` returns the exit code instead of exiting, and its output goes to
+    whatever sys.stdout/sys.stderr are."""
+    missing = cli.main(["list", str(tmp_path / "nowhere")])
+    usage = cli.main(["frobnicate"])
+    captured = capsys.readouterr()
+
+    assert (3, 2) == (missing, usage)
+    assert [
+        f"checkpoints: error: {tmp_path / 'nowhere'} does not exist",
+        "checkpoints: error: No such command 'frobnicate'; see 'checkpoints --help'",
+    ] == captured.err.splitlines()
 
 
 @pytest.mark.parametrize(
@@ -162,11 +252,22 @@ def test_help_on_every_command_documents_the_exit_codes():
     ids=["no-command", "unknown-command", "missing-argument", "bad-duration", "bad-option"],
 )
 def test_usage_errors_exit_2_with_one_error_line(args):
-    """Bad arguments exit 2 with `checkpoints: error: ...` and no traceback."""
+    """Bad arguments exit 2 with `checkpoints: error: ...` (one line, nothing else) and no
+    traceback."""
     result = run(*args)
 
     assert 2 == result.returncode
-    error_line(result)
+    assert [error_line(result)] == result.stderr.splitlines()
+
+
+def test_extra_arguments_are_not_echoed():
+    """Extra arguments are a usage error that names no value (one may be an option's
+    secret)."""
+    result = run("list", "/tmp", "-o", "secret", CANARY)
+
+    assert 2 == result.returncode
+    assert CANARY not in result.stdout + result.stderr
+    assert "unexpected extra arguments" in error_line(result)
 
 
 def test_invalid_options_environment_variable_is_a_usage_error():
@@ -249,17 +350,14 @@ def test_verify_corrupt_metadata_exits_4(layout):
     assert "not a valid or complete checkpoint" in error_line(result)
 
 
-def test_progress_bar_only_on_a_terminal(layout):
-    """On a TTY, verify draws a progress bar on stderr up to 100%; through a pipe, nothing."""
+def on_terminal(*args, stream: str) -> tuple[int, str, str]:
+    """The installed script run with ``stream`` ("stdout" or "stderr") on a pseudo-terminal
+    and the other through a pipe: (exit code, what the terminal showed, the pipe's text)."""
+    env = {k: v for k, v in environment({"TERM": "xterm-256color"}).items() if k != "NO_COLOR"}
     primary, secondary = pty.openpty()
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: secondary}
     try:
-        process = subprocess.Popen(
-            [*command(), "verify", layout.chk2.external_pointer],
-            stdout=subprocess.PIPE,
-            stderr=secondary,
-            env=environment(),
-            cwd=ROOT,
-        )
+        process = subprocess.Popen([*command(), *map(str, args)], env=env, cwd=ROOT, **streams)
         os.close(secondary)
         secondary = -1
         chunks = []
@@ -271,17 +369,33 @@ def test_progress_bar_only_on_a_terminal(layout):
             if not chunk:
                 break
             chunks.append(chunk)
-        stdout, _ = process.communicate(timeout=60)
+        stdout, stderr = process.communicate(timeout=60)
     finally:
         os.close(primary)
         if secondary >= 0:
             os.close(secondary)
-    terminal = b"".join(chunks).decode()
+    piped = stderr if stream == "stdout" else stdout
+    return process.returncode, b"".join(chunks).decode(), piped.decode()
 
-    assert 0 == process.returncode
-    assert "verifying [" in terminal and "100%" in terminal
-    assert "verifying" not in stdout.decode()
-    assert "" == run("verify", layout.chk2.external_pointer).stderr
+
+def test_progress_bar_only_on_a_terminal(layout):
+    """On a TTY, verify draws a progress bar on stderr up to 100%; through a pipe, nothing."""
+    code, terminal, stdout = on_terminal("verify", layout.chk2.external_pointer, stream="stderr")
+
+    assert 0 == code
+    assert "verifying" in terminal and "100%" in terminal
+    assert "verifying" not in stdout
+    assert "" == run_installed("verify", layout.chk2.external_pointer).stderr
+
+
+def test_colours_only_on_a_terminal(layout):
+    """A table is coloured (ANSI escapes) on a terminal and plain text through a pipe."""
+    code, terminal, _ = on_terminal("list", layout.job_dir, stream="stdout")
+    piped = run_installed("list", layout.job_dir)
+
+    assert (0, 0) == (code, piped.returncode)
+    assert ("\x1b[" in terminal, "\x1b[" in piped.stdout) == (True, False)
+    assert "completed" in terminal and "completed" in piped.stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +415,7 @@ def test_inspect_shows_operators_handles_and_master_states(layout):
     assert (0, "") == (result.returncode, result.stderr)
     assert f"job id:        {JOB.hex}" in out
     assert "kind:          savepoint" in out
-    assert ["position", "9", "B", "batch-17."] in [line.split() for line in out.splitlines()]
+    assert "  position (base64, 9 B): YmF0Y2gtMTcA" in out.splitlines()
     assert "dedupe" in out and "subtask properties:" in out and "dedupe[1] k=v" in out
     for handle in files:
         row = next(line for line in out.splitlines() if handle.relative_path in line)
@@ -335,9 +449,15 @@ def test_inspect_json_has_stable_keys(layout):
         doc["timestamp_ms"],
         doc["timestamp"],
     )
-    assert [{"name": "position", "size": 9, "preview": "batch-17.", "base64": "YmF0Y2gtMTcA"}] == (
-        doc["master_states"]
-    )
+    assert [
+        {
+            "name": "position",
+            "size": 9,
+            "encoding": "base64",
+            "value": "YmF0Y2gtMTcA",
+            "base64": "YmF0Y2gtMTcA",
+        }
+    ] == doc["master_states"]
     assert ("dedupe", 2, 8, 1, {"k": "v"}) == (
         operator["operator_id"],
         operator["parallelism"],
@@ -372,9 +492,12 @@ def test_list_base_directory_shows_completed_in_progress_and_invalid(layout):
         (e["checkpoint_id"], e["kind"], e["status"], e["pointer"])
         for e in json.loads(savepoints.stdout)
     ]
-    header, *lines = table.stdout.splitlines()
-    assert ["JOB", "ID", "KIND", "STATUS", "SIZE", "FILES", "AGE", "POINTER"] == header.split()
-    assert ["in-progress"] == [line.split()[3] for line in lines if "chk-3" in line][:1]
+    heading, header, *lines = table.stdout.splitlines()
+    assert f"job {JOB.hex}" == heading
+    assert ["ID", "KIND", "STATUS", "POSITION", "SIZE", "FILES", "AGE", "POINTER"] == (
+        header.split()
+    )
+    assert ["in-progress"] == [line.split()[2] for line in lines if "chk-3" in line][:1]
     assert any(line.startswith("invalid: ") and "chk-4" in line for line in lines)
 
 
@@ -520,7 +643,7 @@ def test_storage_option_values_are_never_printed(s3_server):
     results = {
         "list": run("list", base, "--json", *flags, *secret),
         "inspect": run("inspect", f"{base}/{JOB.hex}/chk-2", *flags, *secret),
-        "latest-env": run("latest", f"{base}/{JOB.hex}", env=env_options),
+        "latest-env": run_installed("latest", f"{base}/{JOB.hex}", env=env_options),
         "not-found": run("verify", f"{base}/{JOB.hex}/chk-7", *flags, *secret),
         "unreachable": run("list", base, *unreachable),
         "usage": run("list", base, "-o", CANARY),
@@ -793,3 +916,272 @@ def test_an_unopenable_newest_metadata_is_named_and_list_goes_on(layout):
     assert (7, "unreadable") == tuple(
         (e["checkpoint_id"], e["status"]) for e in json.loads(listing.stdout)
     )[-1]
+
+
+# --------------------------------------------------------------------------------------------
+#  issue 14: a data directory's jobs, decoded master states
+# --------------------------------------------------------------------------------------------
+
+
+def position(partition: str, batches: int, complete: bool) -> bytes:
+    """A source position as a pipeline writes it (SOURCE_POSITION_STATE)."""
+    raw = {"partition": partition, "batches": batches, "complete": complete, "digest": "d" * 32}
+    return json.dumps(raw, sort_keys=True).encode()
+
+
+def pipeline_states(name: str, partition: str, batches: int, complete: bool) -> dict:
+    return {
+        SOURCE_POSITION_STATE: position(partition, batches, complete),
+        JOB_NAME_STATE: name.encode(),
+    }
+
+
+class DataDirectory:
+    """<tmp>/.data as the Dagster code location lays it out: checkpoints/<job>/chk-<id> of two
+    pipelines, savepoints/savepoint-* and savepoints/scheduled/savepoint-*, and landing/ with
+    input files (no checkpoints)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.root = tmp_path / ".data"
+        storage = FileSystemCheckpointStorage(
+            str(self.root / "checkpoints"),
+            str(self.root / "savepoints"),
+            file_state_size_threshold=THRESHOLD,
+        )
+        self.clicks = JobID("a" * 32)
+        self.views = JobID("b" * 32)
+        clicks = storage.create_checkpoint_storage(self.clicks)
+        views = storage.create_checkpoint_storage(self.views)
+        write_checkpoint(
+            clicks, 1, (2048,), master=pipeline_states("clicks", "2026-10-06", 3, False)
+        )
+        write_checkpoint(
+            clicks, 2, (2048,), master=pipeline_states("clicks", "2026-10-06", 4, True)
+        )
+        write_checkpoint(views, 7, (2048,), master=pipeline_states("views", "2026-10-05", 1, False))
+        savepoint = CheckpointProperties.for_savepoint()
+        self.manual, _ = write_checkpoint(
+            clicks, 2, (2048,), savepoint, master=pipeline_states("clicks", "2026-10-06", 4, True)
+        )
+        self.scheduled, _ = write_checkpoint(
+            views,
+            8,
+            (2048,),
+            savepoint,
+            master=pipeline_states("views", "2026-10-06", 2, False),
+            target=str(self.root / "savepoints" / "scheduled"),
+        )
+        (self.root / "landing" / "2026-10-06").mkdir(parents=True)
+        (self.root / "landing" / "2026-10-06" / "batch-1.json").write_text("{}")
+
+
+def test_list_of_a_data_directory_finds_every_job_below_it(tmp_path):
+    """`list .data` finds the jobs under checkpoints/ and their savepoints under savepoints/
+    (also savepoints/scheduled/), each row with its decoded source position and job name."""
+    data = DataDirectory(tmp_path)
+
+    result = run("list", ".data", "--json", cwd=tmp_path)
+
+    rows = json.loads(result.stdout)
+    assert (0, "") == (result.returncode, result.stderr)
+    assert [
+        (data.clicks.hex, 1, "checkpoint", "clicks", ("2026-10-06", 3, False)),
+        (data.clicks.hex, 2, "checkpoint", "clicks", ("2026-10-06", 4, True)),
+        (data.clicks.hex, 2, "savepoint", "clicks", ("2026-10-06", 4, True)),
+        (data.views.hex, 7, "checkpoint", "views", ("2026-10-05", 1, False)),
+        (data.views.hex, 8, "savepoint", "views", ("2026-10-06", 2, False)),
+    ] == [
+        (
+            r["job_id"],
+            r["checkpoint_id"],
+            r["kind"],
+            r["job_name"],
+            tuple(r["source_position"][k] for k in ("partition", "batches", "complete")),
+        )
+        for r in rows
+    ]
+    assert [data.manual.external_pointer, data.scheduled.external_pointer] == [
+        r["pointer"] for r in rows if r["kind"] == "savepoint"
+    ]
+
+
+def test_list_table_shows_each_pipeline_and_its_positions(tmp_path):
+    """The table of a data directory has one section per job, headed by the pipeline's name,
+    with positions as `partition, N batches` and `partition, complete (N batches)`."""
+    data = DataDirectory(tmp_path)
+
+    result = run("list", tmp_path / ".data")
+
+    sections = result.stdout.split("\n\n")
+    assert 0 == result.returncode
+    assert [
+        f"pipeline clicks (job {data.clicks.hex})",
+        f"pipeline views (job {data.views.hex})",
+    ] == [section.splitlines()[0] for section in sections]
+    clicks = [line.split("  ") for line in sections[0].splitlines()[2:]]
+    cells = [[c.strip() for c in row if c.strip()] for row in clicks]
+    assert [
+        ["1", "checkpoint", "completed", "2026-10-06, 3 batches"],
+        ["2", "checkpoint", "completed", "2026-10-06, complete (4 batches)"],
+        ["2", "savepoint", "completed", "2026-10-06, complete (4 batches)"],
+    ] == [row[:4] for row in cells]
+    views = [line.split("  ") for line in sections[1].splitlines()[2:]]
+    assert ["7", "checkpoint", "completed", "2026-10-05, 1 batch"] == (
+        [c.strip() for c in views[0] if c.strip()][:4]
+    )
+
+
+def test_list_of_a_job_directory_lists_only_that_job(tmp_path):
+    """`list` of one job directory lists that job's checkpoints, not its savepoints elsewhere
+    nor other jobs."""
+    data = DataDirectory(tmp_path)
+
+    result = run("list", tmp_path / ".data" / "checkpoints" / data.views.hex, "--json")
+
+    assert [(data.views.hex, 7)] == [
+        (r["job_id"], r["checkpoint_id"]) for r in json.loads(result.stdout)
+    ]
+
+
+def test_inspect_decodes_master_states_in_full(tmp_path):
+    """`inspect` shows a JSON master state whole, an Arrow schema as its fields, text as text
+    and other bytes as base64, in the table and in --json."""
+    storage = FileSystemCheckpointStorage(str(tmp_path / "cp"), file_state_size_threshold=THRESHOLD)
+    access = storage.create_checkpoint_storage(JOB)
+    schema = pa.schema([("user", pa.string()), pa.field("clicks", pa.int64(), nullable=False)])
+    master = {
+        **pipeline_states("clicks", "2026-10-06", 3, False),
+        STATE_SCHEMA_PREFIX + "totals": schema.serialize().to_pybytes(),
+        "opaque": b"\x00\x01\xfe",
+    }
+    completed, _ = write_checkpoint(access, 3, (2048,), master=master)
+
+    table = run("inspect", completed.external_pointer)
+    doc = json.loads(run("inspect", completed.external_pointer, "--json").stdout)
+
+    assert 0 == table.returncode
+    lines = table.stdout.splitlines()
+    start = lines.index("master states:")
+    assert [
+        f"  source-position (json, {len(master[SOURCE_POSITION_STATE])} B): "
+        f'{{"batches": 3, "complete": false, "digest": "{"d" * 32}", "partition": "2026-10-06"}}',
+        "  pipeline-name (text, 6 B): clicks",
+        f"  state-schema/totals (arrow schema, {len(master['state-schema/totals'])} B):",
+        "    user: string",
+        "    clicks: int64 not null",
+        "  opaque (base64, 3 B): AAH+",
+    ] == lines[start + 1 : start + 7]
+    assert [
+        ("source-position", "json", json.loads(master[SOURCE_POSITION_STATE])),
+        ("pipeline-name", "text", "clicks"),
+        (
+            "state-schema/totals",
+            "arrow-schema",
+            [
+                {"name": "user", "type": "string", "nullable": True},
+                {"name": "clicks", "type": "int64", "nullable": False},
+            ],
+        ),
+        ("opaque", "base64", "AAH+"),
+    ] == [(m["name"], m["encoding"], m["value"]) for m in doc["master_states"]]
+
+
+# --------------------------------------------------------------------------------------------
+#  shell completion
+# --------------------------------------------------------------------------------------------
+
+
+def test_completion_is_offered_and_completes_commands(monkeypatch):
+    """`--help` offers --install-completion and --show-completion; the bash script uses the
+    command's completion variable, and a completion request completes a command name."""
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")
+    app = cli.build_app(plugins=False)
+
+    help_text = invoke(app, "--help")
+    script = invoke(app, "--show-completion", "bash")
+    completion = invoke(
+        app,
+        env={
+            "_CHECKPOINTS_COMPLETE": "complete_bash",
+            "COMP_WORDS": "checkpoints li",
+            "COMP_CWORD": "1",
+        },
+    )
+
+    assert "--install-completion" in help_text.stdout and "--show-completion" in help_text.stdout
+    assert (0, True) == (script.returncode, "_CHECKPOINTS_COMPLETE=complete_bash" in script.stdout)
+    assert (0, ["list"]) == (completion.returncode, completion.stdout.split())
+
+
+# --------------------------------------------------------------------------------------------
+#  plugins
+# --------------------------------------------------------------------------------------------
+
+
+def register_tiny(app: typer.Typer) -> None:
+    """A plugin: `checkpoints tiny DIR` prints the directory and the storage option keys
+    (never values), through the helpers built-in commands use."""
+
+    @app.command("tiny")
+    def tiny(
+        directory: str,
+        json_output: cli.JsonOption = False,
+        storage_option: cli.StorageOption = None,
+    ) -> None:
+        def body() -> int:
+            options = cli.storage_options(storage_option)
+            where = cli.location(directory)
+            if not Path(where).exists():
+                raise FileNotFoundError(f"{where} does not exist")
+            if json_output:
+                cli.print_json({"directory": where, "options": sorted(options)})
+            else:
+                cli.echo(f"{where}: {', '.join(sorted(options))}")
+            return 0
+
+        cli.run_command(body)
+
+
+def register_broken(app: typer.Typer) -> None:
+    raise RuntimeError("this plugin cannot load")
+
+
+def test_a_plugin_command_behaves_like_a_built_in_one(tmp_path):
+    """A registered command runs with the common storage options (values from the
+    environment included, never printed), the path rule (exit 2) and the error mapping
+    (not found: exit 3, one line)."""
+    app = cli.build_app(plugins=False)
+    register_tiny(app)
+    env = {"CHECKPOINTS_STORAGE_OPTIONS": json.dumps({"secret": CANARY})}
+
+    ok = invoke(app, "tiny", tmp_path, "-o", "endpoint_url=http://x", "--json", env=env)
+    refused = invoke(app, "tiny", f"{tmp_path}/a/../b")
+    missing = invoke(app, "tiny", tmp_path / "nowhere", "-o", f"key={CANARY}")
+
+    assert {"directory": str(tmp_path), "options": ["endpoint_url", "secret"]} == (
+        json.loads(ok.stdout)
+    )
+    assert (0, 2, 3) == (ok.returncode, refused.returncode, missing.returncode)
+    assert f"checkpoints: error: {tmp_path / 'nowhere'} does not exist" == error_line(missing)
+    error_line(refused)
+    assert all(CANARY not in r.stdout + r.stderr for r in (ok, refused, missing))
+
+
+def test_the_plugin_loader_calls_every_entry_point_and_survives_a_broken_one(capsys):
+    """`load_plugins` calls each entry point of the group with the app; a plugin that fails
+    is named in a warning and the others still register."""
+    broken = f"{__name__}:register_broken"
+    entry_points = [
+        importlib.metadata.EntryPoint("broken", broken, cli.PLUGIN_GROUP),
+        importlib.metadata.EntryPoint("tiny", f"{__name__}:register_tiny", cli.PLUGIN_GROUP),
+    ]
+    app = cli.build_app(plugins=False)
+
+    loaded = cli.load_plugins(app, entry_points)
+    warning = capsys.readouterr().err
+    result = invoke(app, "tiny", ROOT)
+
+    assert (["tiny"], 0, f"{ROOT}: \n") == (loaded, result.returncode, result.stdout)
+    assert (
+        f"checkpoints: warning: plugin broken ({broken}) was not loaded: this plugin cannot load\n"
+    ) == warning

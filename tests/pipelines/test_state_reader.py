@@ -30,6 +30,7 @@ from checkpoint_storage import (
     copy_savepoint,
     store_checkpoint_metadata,
 )
+from checkpoint_storage.cli import build_app
 from pipelines import (
     StatefulRunner,
     UnknownStageError,
@@ -38,7 +39,7 @@ from pipelines import (
     register_checkpoint_source,
     state_stages,
 )
-from pipelines.cli import parse_storage_options, register
+from pipelines.cli import register
 from pipelines.examples.click_events import click_events_pipeline, generate_day
 from resources import SparkResource
 
@@ -124,12 +125,8 @@ def flip_a_byte(path: str) -> None:
 
 
 def cli_app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def checkpoints() -> None:
-        """The ``checkpoints`` command group (as the real app has several commands)."""
-
+    """The ``checkpoints`` app without installed plugins, with this plugin registered."""
+    app = build_app(plugins=False)
     register(app)
     return app
 
@@ -264,7 +261,7 @@ def test_a_savepoint_on_s3_reads_with_and_without_spark(
     )
     cli = run_cli(
         pointer, "--stage", "user_activity", "--parquet", str(tmp_path / "out.parquet"),
-        "--storage-option", f"endpoint_url={options['endpoint_url']}",
+        "-o", f"endpoint_url={options['endpoint_url']}",
     )
 
     assert (
@@ -387,13 +384,3 @@ def test_cli_errors_have_one_line_and_their_exit_code(snapshots, tmp_path):
         for r, (_, message) in zip(results, cases, strict=True)
     ]
 
-
-def test_storage_options_come_from_the_environment_and_the_flags(monkeypatch):
-    """Flags override $CHECKPOINTS_STORAGE_OPTIONS; a flag value is JSON when it parses, else
-    text; a flag without '=' is a usage error."""
-    monkeypatch.setenv("CHECKPOINTS_STORAGE_OPTIONS", '{"anon": false, "endpoint_url": "a"}')
-    options = parse_storage_options(["endpoint_url=http://b:9000", "anon=true", "retries=3"])
-
-    assert {"anon": True, "endpoint_url": "http://b:9000", "retries": 3} == options
-    with pytest.raises(typer.BadParameter, match="KEY=VALUE"):
-        parse_storage_options(["endpoint_url"])

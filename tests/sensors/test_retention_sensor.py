@@ -102,10 +102,11 @@ def record_lineage(instance, prepared: Prepared) -> None:
 
 
 def evaluate(sensor, instance, resource, cursor=None):
-    context = dg.build_sensor_context(
+    # As a context manager, so the instance the context may build is disposed on exit.
+    with dg.build_sensor_context(
         instance=instance, cursor=cursor, resources={"checkpoint_storage": resource}
-    )
-    return sensor(context)
+    ) as context:
+        return sensor(context)
 
 
 def test_retention_deletes_exactly_the_expired_and_keeps_the_rest(tmp_path):

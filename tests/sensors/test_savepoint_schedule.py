@@ -28,11 +28,13 @@ PIPELINES = ("user_activity", "page_views")  # the code location's
 
 
 def evaluate_schedule(instance, resource, when=TICK):
-    context = dg.build_schedule_context(
+    # As a context manager: the context builds its own instance from the ref on first use
+    # and only disposes it on exit; left open, it stays Dagster's current one for later tests.
+    with dg.build_schedule_context(
         instance=instance, scheduled_execution_time=when,
         resources={"checkpoint_storage": resource},
-    )  # fmt: skip
-    return savepoint_schedule.evaluate_tick(context)
+    ) as context:  # fmt: skip
+        return savepoint_schedule.evaluate_tick(context)
 
 
 def test_schedule_requests_one_scheduled_savepoint_per_tick(tmp_path):

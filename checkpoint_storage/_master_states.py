@@ -1,0 +1,22 @@
+"""Well-known master state names: a convention between the code that writes checkpoints and
+the tools that read them.
+
+The library stores master states (``CheckpointMetadata.master_states``) as opaque bytes and
+depends on none of these names. A writer that follows the convention makes its checkpoints
+readable by any tool: the ``checkpoints`` command shows them decoded (``list``: the job's name
+and each checkpoint's source position; ``inspect``: every master state).
+"""
+
+__all__ = ["JOB_NAME_STATE", "SOURCE_POSITION_STATE", "STATE_SCHEMA_PREFIX"]
+
+JOB_NAME_STATE = "pipeline-name"
+"""UTF-8 text: the name of the job (pipeline) that wrote the checkpoint."""
+
+SOURCE_POSITION_STATE = "source-position"
+"""A JSON object: how far the job's input has been applied to the state,
+``{"partition": str, "batches": int, "complete": bool, "digest": str}`` (``digest``
+optional): the first ``batches`` batches of ``partition``, all of them once ``complete``."""
+
+STATE_SCHEMA_PREFIX = "state-schema/"
+"""``state-schema/<stage>``: the Arrow schema of a stage's state, as the bytes of
+``pyarrow.Schema.serialize()`` (an Arrow IPC schema message)."""

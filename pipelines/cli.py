@@ -10,6 +10,7 @@ one-line redacted errors and the same exit codes::
 """
 
 import datetime as dt
+import inspect
 import io
 import json
 from collections.abc import Iterable, Mapping
@@ -41,7 +42,11 @@ DEFAULT_TABLE_ROWS = 20
 
 def register(app: typer.Typer) -> None:
     """Add ``read`` to the ``checkpoints`` app (the ``checkpoint_storage.cli`` entry point)."""
-    app.command("read")(read_command)
+    # Paragraphs of one line each, so that help wraps them to the terminal.
+    paragraphs = inspect.cleandoc(read_command.__doc__ or "").split("\n\n")
+    app.command("read", help="\n\n".join(" ".join(p.split()) for p in paragraphs))(
+        read_command
+    )
 
 
 def read_command(

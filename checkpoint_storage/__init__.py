@@ -10,6 +10,7 @@ from checkpoint_storage._access import (
     CheckpointStorageAccess,
     CheckpointStorageCoordinatorView,
     CheckpointStorageWorkerView,
+    resolve_checkpoint_pointer,
 )
 from checkpoint_storage._file_merging import (
     FileMergingSnapshotManager,
@@ -200,6 +201,7 @@ __all__ = [
     "load_checkpoint_metadata",
     "options_with_environment",
     "read_job_lease",
+    "resolve_checkpoint_pointer",
     "store_checkpoint_metadata",
     "url_to_fs",
     "verify_checkpoint",

@@ -54,7 +54,8 @@ from checkpoint_storage import (
 )
 from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
 from pipelines.state_io import (
-    HANDLE_ROW_DDL,
+    HANDLE_ROW_SCHEMA,
+    HANDLE_ROW_TYPE,
     StateReadTask,
     StateWriteTask,
     handle_from_row,
@@ -546,7 +547,7 @@ class StatefulRunner:
                     self._task_after_write,
                 )
                 written = state.mapInArrow(
-                    partial(write_state_partition, task), HANDLE_ROW_DDL
+                    partial(write_state_partition, task), HANDLE_ROW_TYPE
                 ).collect()
                 subtasks = {
                     row["subtask"]: OperatorSubtaskState(
@@ -632,9 +633,10 @@ class StatefulRunner:
             ]
             handles = self.spark.createDataFrame(
                 self.spark.sparkContext.parallelize(
-                    [tuple(r.get(k) for k in _HANDLE_COLUMNS) for r in rows], max(len(rows), 1)
+                    [tuple(r[k] for k in HANDLE_ROW_SCHEMA.names) for r in rows],
+                    max(len(rows), 1),
                 ),
-                HANDLE_ROW_DDL,
+                HANDLE_ROW_TYPE,
             )
             state = handles.mapInArrow(
                 partial(read_state_partition, StateReadTask(self.storage, schema)),
@@ -720,5 +722,3 @@ def _checkpoint_line(summary: CheckpointSummary) -> str:
         f"({format_size(summary.state_bytes)}, {summary.files_written} files)"
     )
 
-
-_HANDLE_COLUMNS = [name.split()[0] for name in HANDLE_ROW_DDL.split(", ")]

@@ -7,25 +7,24 @@ filesystem, never a credential (those come from each executor's environment).
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark import TaskContext
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from checkpoint_storage import (
-    ByteStreamStateHandle,
     CheckpointedStateScope,
     CheckpointStorage,
     CheckpointStorageLocationReference,
-    FileStateHandle,
-    RelativeFileStateHandle,
     StreamStateHandle,
-    url_to_fs,
 )
+from pipelines._handles import StateHandleRef
 
 __all__ = [
     "HANDLE_ROW_SCHEMA",
+    "HANDLE_ROW_TYPE",
     "StateReadTask",
     "StateWriteTask",
     "handle_from_row",
@@ -35,24 +34,18 @@ __all__ = [
 ]
 
 # One row per written state handle: executors -> driver after a checkpoint, and
-# driver -> executors for a restore. Inline state travels in `data`.
+# driver -> executors for a restore. The handle's fields are StateHandleRef's (inline state
+# travels in `data`); `rows` is -1 where unknown.
+_REF_TYPES = {
+    "kind": pa.string(), "path": pa.string(), "size": pa.int64(), "checksum": pa.int64(),
+    "data": pa.binary(), "relative_path": pa.string(), "start": pa.int64(),
+    "scope": pa.string(), "logical_file_id": pa.string(),
+}  # fmt: skip
 HANDLE_ROW_SCHEMA = pa.schema(
-    [
-        ("subtask", pa.int32()),
-        ("attempt", pa.int32()),
-        ("kind", pa.string()),
-        ("path", pa.string()),
-        ("relative_path", pa.string()),
-        ("size", pa.int64()),
-        ("checksum", pa.int64()),
-        ("data", pa.binary()),
-        ("rows", pa.int64()),
-    ]
+    [("subtask", pa.int32()), ("attempt", pa.int32()), ("rows", pa.int64())]
+    + [(f.name, _REF_TYPES[f.name]) for f in fields(StateHandleRef)]
 )
-HANDLE_ROW_DDL = (
-    "subtask int, attempt int, kind string, path string, relative_path string, size long, "
-    "checksum long, data binary, rows long"
-)
+HANDLE_ROW_TYPE = from_arrow_schema(HANDLE_ROW_SCHEMA)
 
 # Measured in benchmarks/stage_checkpoint.py (breakdown section): snappy writes fastest of
 # snappy/zstd/lz4 at about Spark's own file size. Dictionary encoding is off: state rows are
@@ -67,32 +60,15 @@ PARQUET_OPTIONS = {
 
 
 def handle_to_row(handle: StreamStateHandle, subtask: int, attempt: int, rows: int) -> dict:
-    row = {"subtask": subtask, "attempt": attempt, "rows": rows, "size": handle.state_size}
-    if isinstance(handle, ByteStreamStateHandle):
-        return row | {"kind": "bytes", "path": handle.handle_name, "data": handle.data}
-    if isinstance(handle, FileStateHandle):
-        relative = isinstance(handle, RelativeFileStateHandle)
-        return row | {
-            "kind": "relative" if relative else "file",
-            "path": handle.path,
-            "relative_path": handle.relative_path if relative else None,
-            "checksum": handle.checksum,
-        }
-    raise TypeError(f"cannot ship {type(handle).__name__}")
+    return {"subtask": subtask, "attempt": attempt, "rows": rows} | asdict(
+        StateHandleRef.of(handle)
+    )
 
 
 def handle_from_row(row: dict, storage_options: dict) -> StreamStateHandle:
-    kind = row["kind"]
-    if kind == "bytes":
-        return ByteStreamStateHandle(row["path"], row["data"])
-    fs = url_to_fs(row["path"], storage_options)[0]
-    if kind == "relative":
-        return RelativeFileStateHandle(
-            row["path"], row["relative_path"], row["size"], row["checksum"], filesystem=fs
-        )
-    if kind == "file":
-        return FileStateHandle(row["path"], row["size"], row["checksum"], filesystem=fs)
-    raise ValueError(f"unknown state handle kind {kind!r}")
+    return StateHandleRef(**{f.name: row[f.name] for f in fields(StateHandleRef)}).handle(
+        storage_options
+    )
 
 
 class _KeepOpen:

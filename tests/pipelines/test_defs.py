@@ -99,6 +99,41 @@ def test_materialization_records_checkpoint_metadata(materialized):
     assert 30 == second["state_rows_user_activity"]
 
 
+def test_a_backfill_yields_the_check_for_the_last_checkpoint_it_wrote(materialized):
+    """A two-day single-run backfill with the integrity check selected (as the UI selects
+    it) evaluates the check once, for the checkpoint of the last day, and skips no step."""
+    instance, _, result, _ = materialized
+    (evaluation,) = result.get_asset_check_evaluations()
+    last = user_activity_metadata(instance)["2026-10-02"]["checkpoint_pointer"]
+    assert (True, "checkpoint_integrity") == (evaluation.passed, evaluation.check_name)
+    assert last == evaluation.metadata["checkpoint_pointer"].value
+    assert [] == [e for e in result.all_events if e.event_type_value == "STEP_SKIPPED"]
+
+
+def test_materialization_shows_what_is_retained(materialized):
+    """Each day's materialization carries the retained table as it was right after that
+    day's checkpoint: the second day's lists every retained checkpoint, ending with its own,
+    with decoded positions."""
+    instance, _, _, _ = materialized
+    records = instance.fetch_materializations(dg.AssetKey(NAME), limit=10).records
+    by_day = {r.asset_materialization.partition: r.asset_materialization for r in records}
+    second = by_day["2026-10-02"]
+    rows = [
+        (r.data["kind"], r.data["partition"], r.data["batches"], r.data["complete"])
+        for r in second.metadata["retained"].value.records
+    ]
+    # checkpoint_interval 2, 3 batches a day, max 3 retained: 10-01 end, 10-02 at 2, 10-02 end.
+    expected = [
+        ("checkpoint", "2026-10-01", 3, True),
+        ("checkpoint", "2026-10-02", 2, False),
+        ("checkpoint", "2026-10-02", 3, True),
+    ]
+    assert expected == rows
+    last = second.metadata["retained"].value.records[-1].data
+    assert second.metadata["checkpoint_pointer"].value == last["pointer"]
+    assert second.metadata["checkpoint_id"].value == last["id"]
+
+
 def test_daily_report_materialized_per_partition(materialized):
     """The daily report gets one materialization per processed day, pointing at its
     directory."""

@@ -249,7 +249,8 @@ def _print_run(result, name: str) -> None:
             f"  {materialization.partition}: checkpoint {meta['checkpoint_id']} "
             f"({meta['state_size']}, {meta['files_written']} files, "
             f"{meta['inline_states']} inline), {meta['batches_applied']} batches, "
-            f"{meta['rows_source']} events in, {meta['duration_s']} s"
+            f"{meta['rows_source']} events in, {meta['duration_s']} s; "
+            f"restored from {meta['restored_from']}"
         )
     for evaluation in result.get_asset_check_evaluations():
         print(

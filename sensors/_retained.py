@@ -131,18 +131,20 @@ def _owned_savepoint(info: CheckpointInfo, job: str) -> bool:
     return info.pointer.rstrip("/").rsplit("/", 1)[-1].startswith(f"savepoint-{job[:6]}-")
 
 
+# The pointer early: it is what restore_from and `checkpoints read` take, and a wide table is
+# cut at the right of the UI's metadata column.
 _COLUMNS = [
     ("id", "int", "checkpoint id"),
     ("kind", "string", "checkpoint, full checkpoint, savepoint (by hand) or scheduled savepoint"),
-    ("status", "string", "completed, or why its _metadata cannot be used"),
     ("partition", "string", "source position: the partition"),
     ("batches", "int", "source position: batches of the partition applied"),
     ("complete", "bool", "source position: all of the partition's batches applied"),
+    ("pointer", "string", "restore_from this, or `checkpoints read` it"),
     ("size", "string", "state size"),
     ("files", "int", "state files"),
-    ("written", "string", "when its _metadata was written (UTC)"),
     ("age", "string", "age when this was recorded"),
-    ("pointer", "string", "restore_from this, or `checkpoints read` it"),
+    ("written", "string", "when its _metadata was written (UTC)"),
+    ("status", "string", "completed, or why its _metadata cannot be used"),
 ]
 
 

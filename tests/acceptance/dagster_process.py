@@ -238,9 +238,12 @@ class DagsterDev:
 
 
 def metadata(event: dict) -> dict[str, object]:
-    """An event's metadata entries as ``label -> value``."""
+    """An event's metadata entries as ``label -> value`` (a table as a list of row dicts)."""
     values = {}
     for entry in event.get("metadataEntries", []):
+        if entry.get("table") is not None:
+            values[entry["label"]] = [json.loads(r) for r in entry["table"]["records"]]
+            continue
         for key in ("path", "text", "intValue", "floatValue"):
             if key in entry and entry[key] is not None:
                 values[entry["label"]] = entry[key]
@@ -341,6 +344,7 @@ metadataEntries {
   ... on TextMetadataEntry { text }
   ... on IntMetadataEntry { intValue }
   ... on FloatMetadataEntry { floatValue }
+  ... on TableMetadataEntry { table { records } }
 }
 """
 

@@ -328,5 +328,7 @@ def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
     )  # fmt: skip
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
-        (run,) = instance.get_runs(dg.RunsFilter(tags={RANGE_START: "2026-10-02"}))
-        assert dg.DagsterRunStatus.SUCCESS == run.status
+        (backfill_run,) = instance.get_runs(limit=1)  # the newest
+        assert "2026-10-02" == backfill_run.tags[RANGE_START]
+        assert dg.DagsterRunStatus.SUCCESS == backfill_run.status
+        assert f"{NAME}_job" != backfill_run.job_name

@@ -360,7 +360,8 @@ def build_retention_sensor(
         f"{pipeline.max_retained_checkpoints} retained ones, collect unreferenced files older "
         f"than {policy.grace_period}, keep the newest {policy.keep_scheduled_savepoints or 'all'} "
         f"scheduled savepoints and {policy.keep_hand_made_savepoints or 'all'} hand-made ones. "
-        f"Records what it deleted as an observation of {name}.",
+        f"Records what it deleted, and the retained table when it changed, as an observation "
+        f"of {name}.",
     )
     def retention(
         context: dg.SensorEvaluationContext, checkpoint_storage: CheckpointStorageResource
@@ -396,7 +397,7 @@ def build_retention_sensor(
         context.log.info(report.summary())
         for skipped in report.garbage.skipped:
             context.log.warning(f"kept {skipped.pointer} whole: {skipped.detail}")
-        changed = pointers != previous.get("retained")
+        changed = pointers != previous.get("retained", [])
         if not report.deleted_anything and not report.garbage.skipped and not changed:
             return dg.SensorResult(
                 skip_reason=dg.SkipReason(

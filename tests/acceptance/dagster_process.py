@@ -214,6 +214,13 @@ class DagsterDev:
         data = self.graphql(ASSET_EVENTS, {"path": [asset]})["assetOrError"]
         return data.get("assetObservations", [])
 
+    def check_executions(self, check: str, asset: str = "user_activity") -> list[dict]:
+        """The check's executions, newest first: runId, status (SUCCEEDED, FAILED, SKIPPED,
+        IN_PROGRESS, EXECUTION_FAILED) and the evaluation's metadata."""
+        return self.graphql(CHECK_EXECUTIONS, {"path": [asset], "name": check})[
+            "assetCheckExecutions"
+        ]
+
     # --- automation ---
 
     def sensor_ticks(self, name: str) -> list[dict]:
@@ -356,6 +363,15 @@ query($path: [String!]!) {{
       assetMaterializations(limit: 100) {{ runId partition timestamp {METADATA_FIELDS} }}
       assetObservations(limit: 100) {{ runId partition timestamp {METADATA_FIELDS} }}
     }}
+  }}
+}}
+"""
+
+CHECK_EXECUTIONS = f"""
+query($path: [String!]!, $name: String!) {{
+  assetCheckExecutions(assetKey: {{path: $path}}, checkName: $name, limit: 20) {{
+    runId status
+    evaluation {{ success {METADATA_FIELDS} }}
   }}
 }}
 """

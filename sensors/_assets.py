@@ -157,7 +157,11 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
 def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
     """The stateful multi-asset: the pipeline's state (asset ``<name>``) and one asset per
     sink (``<name>_<sink>``), partitioned like the pipeline, single-run backfills, the state
-    depending on its own previous partition."""
+    depending on its own previous partition; with the ``checkpoint_integrity`` check of the
+    state, which a run that materializes it evaluates on the last checkpoint it wrote (so a
+    backfill ends with a result, not a skipped check), and which runs alone too. Each
+    partition's materialization carries its checkpoint's metadata and the ``retained``
+    table."""
     name = pipeline.name
     upstream = [dep.key for dep in pipeline.deps]
     # The state after partition P is the state after the one before P, plus P's input.

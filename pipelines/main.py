@@ -1,105 +1,248 @@
 """The main job (the README's first command, through ``scripts/run``).
 
-Lands the next few days of click events and materializes them through Dagster on the real
+Lands the next days of click events and materializes them through Dagster on the real
 instance in ``DAGSTER_HOME`` (so the runs show in the UI later), continuing from the latest
-completed checkpoint; then prints what it did and where everything is.
+completed checkpoint, with a line per partition, batch and checkpoint as it goes; then prints
+the check's result, what is retained (checkpoints and savepoints with their positions), the
+commands that read the state and backfill from it, and where everything is.
 
-    python -m pipelines.main [--days N]
+    python -m pipelines.main [--days N | --until YYYY-MM-DD]
 """
 
 import argparse
 import datetime as dt
+import json
+import logging
 import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
 
 import dagster as dg
 
-from checkpoint_storage import format_size, list_checkpoints
+from checkpoint_storage import format_size
 from pipelines import SourcePosition, job_id_for
-from pipelines.definitions import data_directory
-from pipelines.examples.click_events import DAILY_PARTITIONS, FIRST_PARTITION, NAME
-from pipelines.instance import ensure_dagster_home, limit_pools
+from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
+from sensors import RetainedSnapshot, format_age, retained_snapshots
 
-__all__ = ["main", "next_partitions"]
+__all__ = ["backfill_command", "main", "next_partitions", "parse_args", "print_retained"]
 
-# The console shows INFO and up; every event is still in the instance (and the UI).
-QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+DEFAULT_DAYS = 3
+# Spark's own console: errors only, without the banner of its default logging profile.
+SPARK_LOG_CONFIG = Path(__file__).with_name("log4j2-console.properties")
 
 
-def next_partitions(latest: SourcePosition | None, days: int, today: dt.date) -> list[str]:
-    """The partitions to process next: from the one after the latest checkpoint's position
-    (or the one it stopped inside), at most ``days`` of them, never today or later."""
+def silence_library_warnings() -> None:
+    """Warnings addressed to whoever writes Dagster code (beta, preview and superseded APIs)
+    and the libraries' deprecation notices: not the concern of someone running the job."""
+    for category in (dg.BetaWarning, dg.PreviewWarning, dg.SupersessionWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for category in (DeprecationWarning, FutureWarning, UserWarning):
+        warnings.filterwarnings(
+            "ignore", category=category, module=r"(dagster|dagster_shared|pyspark|pyarrow|py4j)"
+        )
+
+
+def _day(value: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a date (YYYY-MM-DD): {value!r}") from None
+
+
+def _positive(value: str) -> int:
+    try:
+        days = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of days: {value!r}") from None
+    if days < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {days}")
+    return days
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="scripts/run",
+        description="Process the next partitions of the click events through Dagster, "
+        "continuing from the latest completed checkpoint.",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--days",
+        type=_positive,
+        default=DEFAULT_DAYS,
+        help=f"process at most this many partitions (default {DEFAULT_DAYS})",
+    )
+    which.add_argument(
+        "--until",
+        type=_day,
+        metavar="YYYY-MM-DD",
+        help="process every partition not processed yet up to and including this day "
+        "(never today or later: a day is complete once it is over)",
+    )
+    return parser.parse_args(argv)
+
+
+def next_partitions(
+    latest,
+    days: int | None,
+    today: dt.date,
+    until: dt.date | None = None,
+    first: str = FIRST_PARTITION,
+) -> list[str]:
+    """The partitions to process next: from the one after ``latest`` (a ``SourcePosition``;
+    the one it stopped inside when incomplete; ``first`` without one), ``days`` of them or
+    every one up to and including ``until``, never today or later."""
     if latest is None:
-        start = dt.date.fromisoformat(FIRST_PARTITION)
+        start = dt.date.fromisoformat(first)
     elif latest.complete:
         start = dt.date.fromisoformat(latest.partition) + dt.timedelta(days=1)
     else:
         start = dt.date.fromisoformat(latest.partition)
     last = today - dt.timedelta(days=1)  # a daily partition exists once its day is over
-    count = max(0, min(days, (last - start).days + 1))
-    return [(start + dt.timedelta(days=i)).isoformat() for i in range(count)]
+    if until is not None:
+        last = min(last, until)
+    count = (last - start).days + 1
+    if days is not None:
+        count = min(days, count)
+    return [(start + dt.timedelta(days=i)).isoformat() for i in range(max(0, count))]
 
 
-def _latest_position(checkpoint_storage) -> SourcePosition | None:
-    storage = checkpoint_storage.checkpoint_storage()
-    access = storage.create_checkpoint_storage(job_id_for(NAME))
-    latest = access.latest_completed_checkpoint()
+def backfill_command(
+    snapshots: list[RetainedSnapshot], home: Path, name: str, selection: list[str]
+) -> str | None:
+    """The ``dagster asset materialize`` command that backfills ``selection`` (the assets of
+    pipeline ``name`` and its deps) from a retained snapshot with dates that fit it: from the
+    newest savepoint (else the oldest retained checkpoint) at the end of a day before the
+    last processed one, the days after it up to the last processed one. None when no
+    snapshot leaves a day to backfill."""
+    completed = [s for s in snapshots if s.status == "completed" and s.position is not None]
+    done = [s.position for s in completed if s.position.complete]
+    if not done:
+        return None
+    last_done = max(p.partition for p in done)
+    savepoints = [s for s in completed if "savepoint" in s.kind]
+    checkpoints = [s for s in completed if "savepoint" not in s.kind]
+    for snapshot in [*reversed(savepoints), *checkpoints]:
+        position = snapshot.position
+        if position.complete and position.partition < last_done:
+            begin = dt.date.fromisoformat(position.partition) + dt.timedelta(days=1)
+            config = {"ops": {name: {"config": {"restore_from": snapshot.pointer}}}}
+            return (
+                f"DAGSTER_HOME={shlex.quote(str(home))} .venv/bin/dagster asset materialize "
+                f"-m pipelines.definitions --select {','.join(selection)} "
+                f"--partition-range {begin.isoformat()}...{last_done} "
+                f"--config-json {shlex.quote(json.dumps(config))}"
+            )
+    return None
+
+
+# --- the console -------------------------------------------------------------------------
+
+
+class _ProgressFormatter(logging.Formatter):
+    """``HH:MM:SS  message``: the message as the step logged it, without Dagster's job, run
+    id and step prefix; warnings and errors keep Dagster's full text (it carries the error)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        meta = getattr(record, "dagster_meta", None) or {}
+        message = record.getMessage()
+        if record.levelno < logging.WARNING and meta.get("orig_message"):
+            message = meta["orig_message"]
+        stamp = dt.datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
+        return f"{stamp}  {level}{message}"
+
+
+# Run config naming the console logger: without it a run logs through Dagster's default one.
+PROGRESS = {"loggers": {"console": {}}}
+
+
+@dg.logger(description="Progress lines on stdout: INFO and up, one line each.")
+def progress_logger(init_context) -> logging.Logger:
+    log = logging.getLogger("pipelines.main.progress")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(_ProgressFormatter())
+        log.addHandler(handler)
+    return log
+
+
+def _quiet_spark() -> None:
+    """Spark's console logging: errors only (its own log4j2 configuration, unless the
+    environment already passes submit arguments)."""
+    os.environ.setdefault(
+        "PYSPARK_SUBMIT_ARGS",
+        f"--driver-java-options -Dlog4j2.configurationFile={SPARK_LOG_CONFIG.as_uri()} "
+        "pyspark-shell",
+    )
+
+
+# --- the job -----------------------------------------------------------------------------
+
+
+def _latest_position(storage, name: str) -> SourcePosition | None:
+    latest = storage.create_checkpoint_storage(job_id_for(name)).latest_completed_checkpoint()
     return None if latest is None else SourcePosition.of(latest.load_metadata())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--days", type=int, default=3, help="days to process (default 3)")
-    args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore", category=dg.BetaWarning)
-    home = ensure_dagster_home()
+    args = parse_args(argv)
+    silence_library_warnings()
+    _quiet_spark()
+    from pipelines.instance import ensure_dagster_home, limit_pools
 
+    home = ensure_dagster_home()
+    # Imported here: loading the code location builds the definitions, after the filters.
     from pipelines.definitions import defs
 
-    resources = defs.resources
-    checkpoint_storage = resources["checkpoint_storage"]
-    latest = _latest_position(checkpoint_storage)
-    partitions = next_partitions(latest, args.days, dt.datetime.now(dt.UTC).date())
+    # Every run's events are still in the instance (and the UI); the console gets progress.
+    defs = dg.Definitions.merge(defs, dg.Definitions(loggers={"console": progress_logger}))
+    storage = defs.resources["checkpoint_storage"].checkpoint_storage()
+    latest = _latest_position(storage, NAME)
+    today = dt.datetime.now(dt.UTC).date()
+    days = None if args.until is not None else args.days
+    partitions = next_partitions(latest, days, today, args.until)
     print(f"Dagster instance: {home}")
     print(
         f"Latest completed checkpoint: {latest or 'none'}; "
-        f"next: {', '.join(partitions) or 'nothing (up to date)'}"
+        f"next: {_range(partitions) or 'nothing (up to date)'}",
+        flush=True,
     )
+    status = 0
     if partitions:
-        assert DAILY_PARTITIONS.has_partition_key(partitions[-1])
         job = defs.resolve_job_def(f"{NAME}_job")
         with dg.DagsterInstance.get() as instance:
             limit_pools(instance, defs)
             result = job.execute_in_process(
                 instance=instance,
-                run_config=QUIET,
+                run_config=PROGRESS,
                 tags={
                     "dagster/asset_partition_range_start": partitions[0],
                     "dagster/asset_partition_range_end": partitions[-1],
                 },
+                raise_on_error=False,
             )
-            _print_run(result)
-            if not result.success:
-                return 1
-            check = defs.resolve_job_def(f"{NAME}_integrity_job").execute_in_process(
-                instance=instance, run_config=QUIET
-            )
-            for evaluation in check.get_asset_check_evaluations():
-                print(
-                    f"Asset check {evaluation.check_name}: "
-                    f"{'passed' if evaluation.passed else 'FAILED'}"
-                )
-    _print_storage(checkpoint_storage, home)
-    return 0
+        _print_run(result, NAME)
+        status = 0 if result.success else 1
+    _print_state(storage, home, defs)
+    return status
 
 
-def _print_run(result) -> None:
+def _range(partitions: list[str]) -> str:
+    if len(partitions) > 2:
+        return f"{partitions[0]} to {partitions[-1]} ({len(partitions)} days)"
+    return ", ".join(partitions)
+
+
+def _print_run(result, name: str) -> None:
     print(f"\nRun {result.run_id}: {'succeeded' if result.success else 'FAILED'}")
     for event in result.get_asset_materialization_events():
         materialization = event.event_specific_data.materialization
-        if materialization.asset_key.to_user_string() != NAME:
+        if materialization.asset_key.to_user_string() != name:
             continue
         meta = {k: v.value for k, v in materialization.metadata.items()}
         print(
@@ -109,28 +252,63 @@ def _print_run(result) -> None:
             f"{meta['rows_source']} events in, {meta['duration_s']} s; "
             f"restored from {meta['restored_from']}"
         )
+    for evaluation in result.get_asset_check_evaluations():
+        print(
+            f"Asset check {evaluation.check_name}: "
+            f"{'passed' if evaluation.passed else 'FAILED'}"
+            + ("" if evaluation.passed else f" ({evaluation.description})")
+        )
+    if not result.success:
+        for event in result.all_events:
+            if event.event_type_value == "STEP_FAILURE":
+                error = event.event_specific_data.error
+                print(f"  {(error.cause or error).message.strip()}")
 
 
-def _print_storage(checkpoint_storage, home: Path) -> None:
-    storage = checkpoint_storage.checkpoint_storage()
-    job_directory = f"{storage.checkpoint_directory.rstrip('/')}/{job_id_for(NAME)}"
-    print(f"\nRetained checkpoints in {job_directory}:")
-    try:
-        found = list_checkpoints(job_directory, storage_options=storage.storage_options)
-    except FileNotFoundError:
-        found = []
-    for info in found:
-        size = format_size(info.state_size) if info.state_size is not None else "-"
-        print(f"  chk-{info.checkpoint_id}  {info.status:<11} {size:>10}  {info.pointer}")
-    print(f"Savepoints: {storage.savepoint_directory}")
+def print_retained(snapshots: list[RetainedSnapshot], now: dt.datetime) -> None:
+    """One line per retained checkpoint and savepoint: kind, id, decoded position, size,
+    files, age, pointer."""
+    if not snapshots:
+        print("  nothing yet")
+    for s in snapshots:
+        where = str(s.position) if s.position else s.status
+        size = "-" if s.state_size is None else format_size(s.state_size)
+        print(
+            f"  {s.kind:<19} {s.checkpoint_id!s:>4}  {where:<26} {size:>10} "
+            f"{s.file_count:>3} files {format_age(s.age(now)):>7} ago  {s.pointer}"
+        )
+
+
+def _print_state(storage, home: Path, defs: dg.Definitions) -> None:
+    from pipelines.definitions import data_directory
+
+    snapshots = retained_snapshots(storage, NAME)
+    print(f"\nRetained checkpoints and savepoints of {NAME}:")
+    print_retained(snapshots, dt.datetime.now(dt.UTC))
+    newest = next(
+        (s for s in reversed(snapshots) if "savepoint" not in s.kind and s.position), None
+    )
+    if newest is not None:
+        print(f"\nRead the state of the newest checkpoint ({newest.position}):")
+        for stage in STAGES:
+            print(f"  checkpoints read {shlex.quote(newest.pointer)} --stage {stage.name}")
+    group = [s.key.to_user_string() for s in defs.resolve_all_asset_specs()
+             if s.group_name == NAME]  # fmt: skip
+    command = backfill_command(snapshots, home, NAME, group)
+    if command:
+        print(
+            "\nBackfill from a retained snapshot (dates that fit it; the days run again, in "
+            f"one run):\n  {command}"
+        )
     data = data_directory()
     landing = os.environ.get("LANDING_DIR", str(data / "landing"))
     reports = os.environ.get("REPORT_DIR", str(data / "reports"))
-    print(f"Input landing: {landing}\nDaily report: {reports}")
+    print(f"\nInput landing: {landing}\nDaily report: {reports}")
     print(
         "\nOpen the Dagster UI on this instance:\n"
         f"  DAGSTER_HOME={home} .venv/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000\n"
-        "Run this command again to continue from the latest completed checkpoint."
+        "Run this command again to continue from the latest completed checkpoint "
+        "(--until YYYY-MM-DD to catch up to a day)."
     )
 
 

@@ -323,7 +323,8 @@ class StatefulRunner:
         snapshot that fits the first one (``restore_from``, else the newest retained
         checkpoint that fits), and checkpointing every ``checkpoint_interval`` batches and at
         the end of each partition. ``on_partition_done`` hears of each partition as soon as
-        its final checkpoint completed; ``on_progress`` gets a line per batch and checkpoint."""
+        its final checkpoint completed; ``on_progress`` gets a line for the restored state, and
+        per partition a line when it starts, per batch, per checkpoint and when it is done."""
         partitions = self.order.check_consecutive(partitions)
         if not partitions:
             return []
@@ -342,6 +343,10 @@ class StatefulRunner:
         # Recovered under the lease: whatever another coordinator committed before is seen.
         self._store = self._recover_store()
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
+        if on_progress is not None:
+            on_progress(
+                f"restored {origin} ({position})" if origin else "starting from empty state"
+            )
         results = []
         try:
             for partition in partitions:
@@ -393,6 +398,10 @@ class StatefulRunner:
         started = time.monotonic()
         progress = on_progress or (lambda line: None)
         batches, first = self._batches_after(partition, position)
+        progress(
+            f"{partition}: {len(batches) - first} of {len(batches)} batches to apply"
+            + (f" (the first {first} are in the restored state)" if first else "")
+        )
         if first == 0:
             for sink in self.pipeline.sinks:
                 if sink.of == "output":
@@ -421,6 +430,11 @@ class StatefulRunner:
         final = self.checkpoint(states, position)
         taken.append(final)
         progress(_checkpoint_line(final))
+        duration = time.monotonic() - started
+        progress(
+            f"{partition}: done, {len(batches) - first} batches, {rows[SOURCE]} rows in, "
+            f"{duration:.1f} s"
+        )
         return PartitionResult(
             partition,
             origin,
@@ -428,7 +442,7 @@ class StatefulRunner:
             final,
             taken,
             rows,
-            time.monotonic() - started,
+            duration,
         )
 
     def _apply_batch(

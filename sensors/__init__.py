@@ -7,7 +7,10 @@ Per pipeline ``<name>``:
 
 - ``<name>`` (+ ``<name>_<sink>``): the stateful multi-asset; run config ``restore_from`` /
   ``restore_mode`` (backfill from a savepoint, validated before any Spark work).
-- ``checkpoint_integrity`` check on ``<name>``, run by ``<name>_integrity_job``.
+- ``checkpoint_integrity`` check on ``<name>``: in every run that materializes ``<name>``
+  (for the last checkpoint it wrote), and alone in ``<name>_integrity_job``.
+- the ``retained`` table (checkpoints and savepoints with their positions, sizes and
+  pointers) on the newest materialization or observation of ``<name>``.
 - ``<name>_savepoint_schedule`` + ``<name>_savepoint_job``: RUNNING. Writes new savepoints
   into ``<savepoint_dir>/scheduled``; skips while there is no completed checkpoint.
 - ``<name>_retention_sensor``: RUNNING. Deletes only what the store's retention and the
@@ -23,14 +26,23 @@ stop``.
 from sensors._assets import (
     FAULT_INJECTION_ENV,
     FAULT_TAG,
+    INTEGRITY_CHECK,
     StatefulRunConfig,
-    build_integrity_check,
     build_stateful_assets,
+    integrity_check_result,
     pool_for,
     runner_for,
     sink_asset_key,
 )
 from sensors._definitions import pipeline_definitions
+from sensors._retained import (
+    RETAINED_METADATA_KEY,
+    RetainedSnapshot,
+    format_age,
+    retained_metadata,
+    retained_snapshots,
+    retained_table,
+)
 from sensors.component import ImportReference, PartitionsSpec, StatefulPipelineComponent
 from sensors.recovery import (
     RECOVERY_ATTEMPT_TAG,
@@ -59,11 +71,14 @@ from sensors.savepoints import (
 __all__ = [
     "FAULT_INJECTION_ENV",
     "FAULT_TAG",
+    "INTEGRITY_CHECK",
     "RECOVERY_ATTEMPT_TAG",
     "RECOVERY_OF_TAG",
     "RECOVERY_ROOT_TAG",
+    "RETAINED_METADATA_KEY",
     "SAVEPOINT_KIND_TAG",
     "RetentionPolicy",
+    "RetainedSnapshot",
     "RetentionReport",
     "ImportReference",
     "PartitionsSpec",
@@ -71,14 +86,18 @@ __all__ = [
     "StatefulPipelineComponent",
     "StatefulRunConfig",
     "apply_retention",
-    "build_integrity_check",
     "build_recovery_sensor",
     "build_retention_sensor",
     "build_savepoint_job",
     "build_savepoint_schedule",
     "build_stateful_assets",
+    "format_age",
+    "integrity_check_result",
     "pipeline_definitions",
     "plan_recovery",
+    "retained_metadata",
+    "retained_snapshots",
+    "retained_table",
     "pool_for",
     "runner_for",
     "savepoint_run_request",

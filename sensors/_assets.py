@@ -1,5 +1,5 @@
-"""A pipeline's Dagster assets: the stateful multi-asset (its state and its sinks), the
-``checkpoint_integrity`` check, and the jobs that run them.
+"""A pipeline's Dagster assets: the stateful multi-asset (its state, its sinks and the
+``checkpoint_integrity`` check of the state).
 
 No ``from __future__ import annotations`` here: Dagster reads the ``config`` parameters'
 annotations at definition time.
@@ -24,12 +24,14 @@ from pipelines import (
     check_restore_from,
 )
 from resources import CheckpointStorageResource, SparkResource
+from sensors._retained import retained_metadata
 
 __all__ = [
     "FAULT_INJECTION_ENV",
     "FAULT_TAG",
+    "INTEGRITY_CHECK",
     "StatefulRunConfig",
-    "build_integrity_check",
+    "integrity_check_result",
     "build_stateful_assets",
     "pool_for",
     "runner_for",
@@ -45,6 +47,7 @@ __all__ = [
 # the failed run's tags, so they run through.
 FAULT_INJECTION_ENV = "PIPELINE_FAULT_INJECTION"
 FAULT_TAG = "test/fail_after_batch"
+INTEGRITY_CHECK = "checkpoint_integrity"
 
 
 class InjectedFault(RuntimeError):
@@ -98,15 +101,24 @@ class StatefulRunConfig(dg.Config):
 
     restore_from: str | None = Field(
         default=None,
-        description="A checkpoint or savepoint directory to start from (it must hold the "
-        "state at the end of the partition before the first one of this run, or inside it). "
-        "Find pointers with `checkpoints list <checkpoint or savepoint dir>`, on the state "
-        "asset's materializations (checkpoint_pointer) and observations (savepoint_pointer).",
+        description="Leave empty to continue from the newest retained checkpoint. Otherwise "
+        "the pointer of a checkpoint or savepoint to start from: its directory, as a local "
+        "path, a file: URL or an fsspec URL (s3://bucket/savepoints/savepoint-2b2376-"
+        "0123456789ab, /data/checkpoints/<job id>/chk-42). It must hold the state at the end of "
+        "the partition before the first one of this run (or inside that first partition). "
+        "Find pointers on the state asset's page: the `retained` table of its newest event "
+        "(column pointer, with each one's partition), `checkpoint_pointer` on a "
+        "materialization, `savepoint_pointer` on a savepoint's observation; or with "
+        "`checkpoints list <checkpoint or savepoint dir>`.",
     )
-    restore_mode: RestoreMode = RestoreMode.NO_CLAIM
+    restore_mode: RestoreMode = Field(
+        default=RestoreMode.NO_CLAIM,
+        description="NO_CLAIM: the restored snapshot is never deleted by this pipeline. CLAIM: "
+        "it is handed to retention, which deletes it once newer checkpoints subsume it.",
+    )
 
 
-def _materializations(pipeline: StatefulPipeline, result: PartitionResult):
+def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retained: dict):
     checkpoint = result.checkpoint
     rows = {f"rows_{name}": count for name, count in result.rows.items()}
     state_rows = {f"state_rows_{name}": n for name, n in checkpoint.state_rows.items()}
@@ -127,6 +139,7 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult):
             "duration_s": round(result.duration_s, 3),
             **rows,
             **state_rows,
+            **retained,
         },
     )
     for sink in pipeline.sinks:
@@ -144,7 +157,11 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult):
 def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
     """The stateful multi-asset: the pipeline's state (asset ``<name>``) and one asset per
     sink (``<name>_<sink>``), partitioned like the pipeline, single-run backfills, the state
-    depending on its own previous partition."""
+    depending on its own previous partition; with the ``checkpoint_integrity`` check of the
+    state, which a run that materializes it evaluates on the last checkpoint it wrote (so a
+    backfill ends with a result, not a skipped check), and which runs alone too. Each
+    partition's materialization carries its checkpoint's metadata and the ``retained``
+    table."""
     name = pipeline.name
     upstream = [dep.key for dep in pipeline.deps]
     # The state after partition P is the state after the one before P, plus P's input.
@@ -185,10 +202,21 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
     @dg.multi_asset(
         name=name,
         specs=[state, *sinks],
+        check_specs=[
+            dg.AssetCheckSpec(
+                INTEGRITY_CHECK,
+                asset=name,
+                description="The checkpoint validates (every file's size and CRC-32) and "
+                "restores (each stage's rows as recorded): after a materialization, the last "
+                "checkpoint it wrote; run alone, the newest checkpoint with a `_metadata`.",
+            )
+        ],
         partitions_def=pipeline.partitions,
         # One run processes a backfill's partitions in order, in one Spark session.
         backfill_policy=dg.BackfillPolicy.single_run(),
-        can_subset=False,
+        # Subsettable for the check alone (``<name>_integrity_job``); a selection of any of
+        # the assets runs the whole step, which writes the state and every sink together.
+        can_subset=True,
         pool=pool_for(pipeline),
     )
     def stateful_asset(
@@ -197,6 +225,23 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         spark: SparkResource,
         checkpoint_storage: CheckpointStorageResource,
     ):
+        checked = bool(context.selected_asset_check_keys)
+        if not context.selected_asset_keys:  # the check alone (``<name>_integrity_job``)
+            result = integrity_check_result(
+                pipeline, runner_for(pipeline, spark, checkpoint_storage)
+            )
+            # Logged as an evaluation, not yielded: a yielded result looks up its target
+            # materialization through the state's dependency on its previous partition,
+            # which Dagster cannot map in a run without partitions. It targets no
+            # materialization anyway: it checks what is in storage now.
+            context.log_event(
+                dg.AssetCheckEvaluation(
+                    asset_key=dg.AssetKey(name), check_name=INTEGRITY_CHECK,
+                    passed=result.passed, metadata=result.metadata,
+                    description=result.description,
+                )
+            )  # fmt: skip
+            return
         if config.restore_from is not None and context.partition_keys:
             # Storage only, before the Spark session exists: a savepoint that is missing or
             # does not fit the range fails here, with the reason, and no Spark work was done.
@@ -208,6 +253,12 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
             )
             mode = RestoreMode(config.restore_mode).value
             context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")
+        keys = context.partition_keys
+        context.log.info(
+            f"{name}: {len(keys)} partition(s), {keys[0]}"
+            + (f" to {keys[-1]}" if len(keys) > 1 else "")
+            + f"; Spark master {spark.master}"
+        )
         fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
         runner = runner_for(
             pipeline, spark, checkpoint_storage, fault_hook=fault_hook,
@@ -217,93 +268,83 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         def record(result: PartitionResult) -> None:
             # Each partition is recorded as soon as its checkpoint completed, so a run that
             # fails later keeps the partitions it finished.
-            for event in _materializations(pipeline, result):
+            retained = retained_metadata(runner.storage, pipeline.name)
+            for event in _materializations(pipeline, result, retained):
                 context.log_event(event)
 
-        runner.run(
+        results = runner.run(
             context.partition_keys,
             restore_from=config.restore_from,
             restore_mode=config.restore_mode,
             on_partition_done=record,
             on_progress=context.log.info,
         )
-        yield from ()
+        if checked:
+            # A check result in every run that materializes the state (a backfill too),
+            # for the checkpoint this run wrote last.
+            yield integrity_check_result(pipeline, runner, results[-1].checkpoint.pointer)
 
     return stateful_asset
 
 
-def build_integrity_check(pipeline: StatefulPipeline) -> dg.AssetChecksDefinition:
-    """``checkpoint_integrity`` on the pipeline's state: the newest checkpoint with a
-    `_metadata` validates (every file's size and CRC-32) and restores (each stage's rows as
-    recorded). Read-only: it never deletes or creates anything."""
+def integrity_check_result(
+    pipeline: StatefulPipeline, runner: StatefulRunner, pointer: str | None = None
+) -> dg.AssetCheckResult:
+    """``checkpoint_integrity`` of the checkpoint at ``pointer`` (default: the newest one of
+    the pipeline with a `_metadata`, which must be a valid one of ours, not corrupt, foreign
+    or unreadable): every file's size and CRC-32 verify, and the state restores with each
+    stage's rows as recorded. Read-only: it never deletes or creates anything."""
 
-    @dg.asset_check(
-        asset=pipeline.name,
-        name="checkpoint_integrity",
-        description="The latest completed checkpoint validates (every file's size and CRC-32) "
-        "and restores (each stage's rows as recorded).",
-    )
-    def checkpoint_integrity(
-        spark: SparkResource, checkpoint_storage: CheckpointStorageResource
-    ) -> dg.AssetCheckResult:
-        runner = runner_for(pipeline, spark, checkpoint_storage)
+    def result(passed: bool, description: str | None = None, **metadata):
+        return dg.AssetCheckResult(
+            passed=passed, asset_key=pipeline.name, check_name=INTEGRITY_CHECK,
+            description=description, metadata=metadata,
+        )  # fmt: skip
+
+    if pointer is None:
         storage = runner.storage
         directory = runner.access.checkpoints_directory
         try:
             found = list_checkpoints(directory, storage_options=storage.storage_options)
         except FileNotFoundError:
             found = []
-        # Every checkpoint with a `_metadata`, whatever state it is in: the newest must be
-        # a valid one of ours (not corrupt, foreign or unreadable).
         with_metadata = [c for c in found if c.status != "in-progress"]
         if not with_metadata:
-            return dg.AssetCheckResult(
-                passed=False, description=f"no completed checkpoint in {directory}"
-            )
+            return result(False, f"no completed checkpoint in {directory}")
         newest = with_metadata[-1]
         if not newest.completed:
-            return dg.AssetCheckResult(
-                passed=False,
-                description=f"the newest checkpoint {newest.pointer} is {newest.status}: "
-                f"{newest.reason}",
-                metadata={"checkpoint_pointer": dg.MetadataValue.path(newest.pointer)},
+            return result(
+                False,
+                f"the newest checkpoint {newest.pointer} is {newest.status}: {newest.reason}",
+                checkpoint_pointer=dg.MetadataValue.path(newest.pointer),
             )
-        location = runner.access.resolve_checkpoint(newest.pointer)
-        try:
-            report = verify_checkpoint(location)
-        except InvalidCheckpointError as exc:
-            return dg.AssetCheckResult(passed=False, description=str(exc))
-        metadata = {
-            "checkpoint_pointer": dg.MetadataValue.path(newest.pointer),
-            "checkpoint_id": report.checkpoint_id,
-            "handles_checked": report.handles_checked,
-            "bytes_read": report.bytes_read,
-        }
-        if not report.ok:
-            problems = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in report.problems[:5])
-            return dg.AssetCheckResult(
-                passed=False,
-                description=f"{len(report.problems)} problem(s): {problems}",
-                metadata=metadata,
-            )
-        snapshot = location.load_metadata()
-        states = runner.restore_states(snapshot)
-        restored = {name: state.count() for name, state in states.items()}
-        recorded = {
-            op.operator_id: sum(
-                int(s.properties.get("rows", -1)) for s in op.subtask_states.values()
-            )
-            for op in snapshot.operator_states
-        }
-        for state in states.values():
-            state.unpersist()
-        metadata |= {f"restored_rows_{name}": n for name, n in restored.items()}
-        if restored != recorded:
-            return dg.AssetCheckResult(
-                passed=False,
-                description=f"restored rows {restored} differ from the recorded {recorded}",
-                metadata=metadata,
-            )
-        return dg.AssetCheckResult(passed=True, metadata=metadata)
-
-    return checkpoint_integrity
+        pointer = newest.pointer
+    location = runner.access.resolve_checkpoint(pointer)
+    try:
+        report = verify_checkpoint(location)
+    except InvalidCheckpointError as exc:
+        return result(False, str(exc), checkpoint_pointer=dg.MetadataValue.path(pointer))
+    metadata = {
+        "checkpoint_pointer": dg.MetadataValue.path(pointer),
+        "checkpoint_id": report.checkpoint_id,
+        "handles_checked": report.handles_checked,
+        "bytes_read": report.bytes_read,
+    }
+    if not report.ok:
+        problems = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in report.problems[:5])
+        return result(False, f"{len(report.problems)} problem(s): {problems}", **metadata)
+    snapshot = location.load_metadata()
+    states = runner.restore_states(snapshot)
+    restored = {name: state.count() for name, state in states.items()}
+    recorded = {
+        op.operator_id: sum(int(s.properties.get("rows", -1)) for s in op.subtask_states.values())
+        for op in snapshot.operator_states
+    }
+    for state in states.values():
+        state.unpersist()
+    metadata |= {f"restored_rows_{name}": n for name, n in restored.items()}
+    if restored != recorded:
+        return result(
+            False, f"restored rows {restored} differ from the recorded {recorded}", **metadata
+        )
+    return result(True, **metadata)

@@ -5,7 +5,7 @@ with ``dagster.Definitions.merge``)."""
 import dagster as dg
 
 from pipelines import StatefulPipeline
-from sensors._assets import build_integrity_check, build_stateful_assets
+from sensors._assets import INTEGRITY_CHECK, build_stateful_assets
 from sensors.recovery import build_recovery_sensor
 from sensors.retention import RetentionPolicy, build_retention_sensor
 from sensors.savepoints import build_savepoint_job, build_savepoint_schedule
@@ -26,9 +26,11 @@ def pipeline_definitions(
     - assets: ``<name>`` (the state, a multi-asset step with one asset per sink,
       ``<name>_<sink>``), partitioned like the pipeline, single-run backfills, in the
       concurrency pool ``checkpoints_<name>``; the pipeline's ``deps`` come along;
-    - asset check ``checkpoint_integrity`` on ``<name>``;
-    - jobs ``<name>_job`` (deps, then the state and sinks), ``<name>_integrity_job``,
-      ``<name>_savepoint_job`` (in the same pool);
+    - asset check ``checkpoint_integrity`` on ``<name>``, part of the stateful step: every
+      run that materializes the state verifies the last checkpoint it wrote;
+    - jobs ``<name>_job`` (deps, then the state, sinks and check), ``<name>_integrity_job``
+      (the check alone, on the newest checkpoint), ``<name>_savepoint_job``, all three in
+      the pool;
     - schedule ``<name>_savepoint_schedule``; sensors ``<name>_retention_sensor`` and
       ``<name>_recovery_sensor`` (started unless ``automation_status="STOPPED"``).
 
@@ -37,18 +39,15 @@ def pipeline_definitions(
     """
     name = pipeline.name
     stateful = build_stateful_assets(pipeline)
-    check = build_integrity_check(pipeline)
     job = dg.define_asset_job(
         f"{name}_job",
-        # The stateful asset reports each partition as it completes (not through outputs),
-        # so a check in the same run would count as skipped: it runs in its own job.
-        selection=dg.AssetSelection.assets(*pipeline.deps, stateful).without_checks(),
+        selection=dg.AssetSelection.assets(*pipeline.deps, stateful),
         description=f"Advance {name} through the selected partitions (after its upstream "
-        "assets), checkpointing, and write its sinks.",
+        "assets), checkpointing, write its sinks, and verify the last checkpoint written.",
     )
     integrity_job = dg.define_asset_job(
         f"{name}_integrity_job",
-        selection=dg.AssetSelection.checks(check),
+        selection=dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey(name), INTEGRITY_CHECK)),
         description=f"Verify that {name}'s latest completed checkpoint validates and restores.",
     )
     savepoint_job = build_savepoint_job(pipeline)
@@ -56,7 +55,6 @@ def pipeline_definitions(
     sensor_status = dg.DefaultSensorStatus(automation_status.upper())
     return dg.Definitions(
         assets=[*pipeline.deps, stateful],
-        asset_checks=[check],
         jobs=[job, integrity_job, savepoint_job],
         schedules=[
             build_savepoint_schedule(pipeline, savepoint_job, savepoint_cron, schedule_status)

@@ -29,13 +29,15 @@ While a run or backfill is in progress, steps 1 and 3 are deferred to a later ti
 restoring from a checkpoint or savepoint right now); step 2 always runs, because the collector
 is safe next to a running job as long as the grace period exceeds the longest checkpoint.
 
-Reporting: the sensor launches no run. When it deleted something it records an
-``AssetObservation`` on the pipeline's state asset (what was deleted, bytes, what was kept as
-in use), so the deletions appear on the asset's page next to the checkpoints they concern, and
-it logs the summary in the tick's logs; when there was nothing to delete the tick is skipped with a
-reason saying what was checked. The cursor keeps the time of the last evaluation and running
-totals, so ticks stay idempotent (a second evaluation finds nothing to delete). A run per
-cleanup would have put a Spark-less run in the run list every hour for nothing.
+Reporting: the sensor launches no run. When it deleted something, or what is retained changed
+since its last tick (runs, savepoints, the CLI), it records an ``AssetObservation`` on the
+pipeline's state asset (what was deleted, bytes, what was kept as in use, and the ``retained``
+table of every checkpoint and savepoint left), so the deletions appear on the asset's page next
+to the checkpoints they concern, and it logs the summary in the tick's logs; otherwise the tick
+is skipped with a reason saying what was checked. The cursor keeps the time of the last
+evaluation, running totals and the pointers retained, so ticks stay idempotent (a second
+evaluation finds nothing to delete and nothing new to record). A run per cleanup would have
+put a Spark-less run in the run list every hour for nothing.
 
 The work happens inside the sensor evaluation, which Dagster bounds (60 s by default,
 ``DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS``): raise it for stores with very many files.
@@ -71,6 +73,7 @@ from checkpoint_storage import (
 )
 from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
 from resources import CheckpointStorageResource
+from sensors._retained import RETAINED_METADATA_KEY, retained_snapshots, retained_table
 
 __all__ = [
     "RetentionPolicy",
@@ -357,7 +360,8 @@ def build_retention_sensor(
         f"{pipeline.max_retained_checkpoints} retained ones, collect unreferenced files older "
         f"than {policy.grace_period}, keep the newest {policy.keep_scheduled_savepoints or 'all'} "
         f"scheduled savepoints and {policy.keep_hand_made_savepoints or 'all'} hand-made ones. "
-        f"Records what it deleted as an observation of {name}.",
+        f"Records what it deleted, and the retained table when it changed, as an observation "
+        f"of {name}.",
     )
     def retention(
         context: dg.SensorEvaluationContext, checkpoint_storage: CheckpointStorageResource
@@ -376,6 +380,8 @@ def build_retention_sensor(
             pipeline=name,
         )
         previous = json.loads(context.cursor) if context.cursor else {}
+        snapshots = retained_snapshots(storage, name)
+        pointers = [s.pointer for s in snapshots]
         deleted = (
             len(report.subsumed_checkpoints) + len(report.garbage.deleted)
             + len(report.deleted_savepoints)
@@ -385,25 +391,34 @@ def build_retention_sensor(
                 "evaluated_at": dt.datetime.now(dt.UTC).isoformat(),
                 "deleted_total": int(previous.get("deleted_total", 0)) + deleted,
                 "last": report.summary(),
+                "retained": pointers,
             }
         )
         context.log.info(report.summary())
         for skipped in report.garbage.skipped:
             context.log.warning(f"kept {skipped.pointer} whole: {skipped.detail}")
-        if not report.deleted_anything and not report.garbage.skipped:
+        changed = pointers != previous.get("retained", [])
+        if not report.deleted_anything and not report.garbage.skipped and not changed:
             return dg.SensorResult(
-                skip_reason=dg.SkipReason(f"nothing to delete: {report.summary()}"),
+                skip_reason=dg.SkipReason(
+                    f"nothing to delete, retained unchanged: {report.summary()}"
+                ),
                 cursor=cursor,
             )
+        if report.deleted_anything:
+            description = "retention deleted storage"
+        elif report.garbage.skipped:
+            description = "retention kept checkpoints it cannot read"
+        else:
+            description = "retained checkpoints and savepoints changed"
         return dg.SensorResult(
             cursor=cursor,
             asset_events=[
                 dg.AssetObservation(
                     name,
-                    description="retention deleted storage"
-                    if report.deleted_anything
-                    else "retention kept checkpoints it cannot read",
-                    metadata=report.metadata(),
+                    description=description,
+                    metadata=report.metadata()
+                    | {RETAINED_METADATA_KEY: retained_table(snapshots)},
                 )
             ],
         )

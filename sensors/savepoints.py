@@ -5,8 +5,9 @@ The job's one op restores the latest completed checkpoint (or ``restore_from``) 
 executors and writes it straight into a fresh ``savepoint-*`` directory through the savepoint
 location's reference (``StatefulRunner.take_savepoint``, docs/design.md §4). It records an
 ``AssetObservation`` on the pipeline's state asset with the savepoint's pointer, size, the source
-position it holds and the id of the checkpoint it was taken from, so every savepoint shows on
-the asset's page in the UI.
+position it holds and the id of the checkpoint it was taken from, and the ``retained`` table
+(every checkpoint and savepoint of the pipeline now), so every savepoint shows on the asset's
+page in the UI.
 
 Scheduled and hand-made savepoints are told apart by where they are: the schedule writes into
 ``<savepoint_dir>/scheduled`` (``SCHEDULED_SAVEPOINTS``), which the retention sensor may thin
@@ -30,6 +31,7 @@ from checkpoint_storage import format_size
 from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
 from resources import CheckpointStorageResource, SparkResource
 from sensors._assets import pool_for, runner_for
+from sensors._retained import retained_metadata
 
 __all__ = [
     "DEFAULT_SAVEPOINT_CRON",
@@ -122,6 +124,7 @@ def build_savepoint_job(pipeline: StatefulPipeline) -> dg.JobDefinition:
                     "files_written": summary.files_written,
                     "inline_states": summary.inline_states,
                     **{f"state_rows_{stage}": n for stage, n in summary.state_rows.items()},
+                    **retained_metadata(runner.storage, name),
                 },
             )
         )

@@ -214,6 +214,13 @@ class DagsterDev:
         data = self.graphql(ASSET_EVENTS, {"path": [asset]})["assetOrError"]
         return data.get("assetObservations", [])
 
+    def check_executions(self, check: str, asset: str = "user_activity") -> list[dict]:
+        """The check's executions, newest first: runId, status (SUCCEEDED, FAILED, SKIPPED,
+        IN_PROGRESS, EXECUTION_FAILED) and the evaluation's metadata."""
+        return self.graphql(CHECK_EXECUTIONS, {"path": [asset], "name": check})[
+            "assetCheckExecutions"
+        ]
+
     # --- automation ---
 
     def sensor_ticks(self, name: str) -> list[dict]:
@@ -238,9 +245,12 @@ class DagsterDev:
 
 
 def metadata(event: dict) -> dict[str, object]:
-    """An event's metadata entries as ``label -> value``."""
+    """An event's metadata entries as ``label -> value`` (a table as a list of row dicts)."""
     values = {}
     for entry in event.get("metadataEntries", []):
+        if entry.get("table") is not None:
+            values[entry["label"]] = [json.loads(r) for r in entry["table"]["records"]]
+            continue
         for key in ("path", "text", "intValue", "floatValue"):
             if key in entry and entry[key] is not None:
                 values[entry["label"]] = entry[key]
@@ -341,6 +351,7 @@ metadataEntries {
   ... on TextMetadataEntry { text }
   ... on IntMetadataEntry { intValue }
   ... on FloatMetadataEntry { floatValue }
+  ... on TableMetadataEntry { table { records } }
 }
 """
 
@@ -352,6 +363,15 @@ query($path: [String!]!) {{
       assetMaterializations(limit: 100) {{ runId partition timestamp {METADATA_FIELDS} }}
       assetObservations(limit: 100) {{ runId partition timestamp {METADATA_FIELDS} }}
     }}
+  }}
+}}
+"""
+
+CHECK_EXECUTIONS = f"""
+query($path: [String!]!, $name: String!) {{
+  assetCheckExecutions(assetKey: {{path: $path}}, checkName: $name, limit: 20) {{
+    runId status
+    evaluation {{ success {METADATA_FIELDS} }}
   }}
 }}
 """

@@ -227,6 +227,12 @@ def test_failure_recovery_savepoint_and_backfill(dagster_dev: DagsterDev, pipeli
     assert savepoint.rstrip("/") == str(day2["restored_from"]).rstrip("/")
     assert str(day2["checkpoint_pointer"]).rstrip("/") == str(day3["restored_from"]).rstrip("/")
     assert f"end of {DAY3}" == day3["source_position"]
+    # The backfill run ends with the integrity check of the last checkpoint it wrote: the
+    # check's latest result is that one, passed (not "Skipped").
+    latest_check = dev.check_executions("checkpoint_integrity")[0]
+    assert (backfill_run, "SUCCEEDED") == (latest_check["runId"], latest_check["status"])
+    checked = metadata(latest_check["evaluation"])["checkpoint_pointer"]
+    assert str(day3["checkpoint_pointer"]).rstrip("/") == str(checked).rstrip("/")
     # Its checkpoints continue the job's checkpoint ids.
     ids = [checkpoint_id(str(m["checkpoint_pointer"])) for m in (recovered, day2, day3)]
     assert ids == sorted(ids) and len(set(ids)) == 3, ids

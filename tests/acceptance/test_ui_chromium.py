@@ -1,7 +1,9 @@
 """The UI in a real browser (issue 6): headless Chromium (Debian's ``chromium`` package,
 driven by Playwright with ``executable_path``, never ``playwright install``) opens the
 ``user_activity`` asset page of the session's ``dagster dev`` and shows the checkpoint
-metadata of a materialization; a screenshot is saved under ``test-artifacts/``.
+metadata of a materialization, and the ``retained`` table (checkpoints and savepoints with
+their positions and pointers) of the newest event; screenshots are saved under
+``test-artifacts/``.
 
 It skips, with the reason, only when ``/usr/bin/chromium`` is missing (scripts/test installs
 it with apt-get when it can) or the ``playwright`` package is not installed.
@@ -98,3 +100,50 @@ def test_asset_page_shows_checkpoint_metadata(
     assert str(materialized["source_position"]) in text
     assert screenshot.stat().st_size > 10_000
     shutil.copy(dagster_dev.log_path, artifacts_dir / "dagster-dev.log")
+
+
+def newest_retained(dagster_dev: DagsterDev) -> list[dict]:
+    """The rows of the ``retained`` table on the newest event of user_activity (a
+    materialization, or a savepoint's or retention's observation)."""
+    events = dagster_dev.materializations() + dagster_dev.observations()
+    with_table = [e for e in events if "retained" in metadata(e)]
+    return metadata(max(with_table, key=lambda e: float(e["timestamp"])))["retained"]
+
+
+@pytest.mark.timeout(300)
+def test_asset_page_shows_what_is_retained(
+    dagster_dev: DagsterDev, materialized: dict, artifacts_dir: Path, tmp_path
+):
+    """The events tab opens on the newest event, whose retained table shows every retained
+    checkpoint and savepoint: id, kind, decoded position and pointer."""
+    executable = _chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    rows = newest_retained(dagster_dev)
+    assert rows, "the newest event has an empty retained table"
+    screenshot = artifacts_dir / "user_activity_retained.png"
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"),
+            executable_path=executable,
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1600, "height": 1200},
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{dagster_dev.url}/assets/user_activity?view=events", timeout=60_000)
+            try:
+                page.get_by_text("retained", exact=True).first.wait_for(timeout=90_000)
+                page.get_by_text(rows[-1]["pointer"]).first.wait_for(timeout=30_000)
+            finally:
+                page.screenshot(path=str(screenshot), full_page=True)
+            # One line per table row: its cells, tab-separated, as the browser renders them.
+            lines = page.inner_text("body").splitlines()
+        finally:
+            browser.close()
+    table = [line.split("\t") for line in lines if "\t" in line]
+    for row in rows:
+        expected = [str(row["id"]), row["kind"], row["partition"], str(row["batches"])]
+        shown = [cells[:4] for cells in table if row["pointer"] in cells]
+        assert [expected] == shown, f"{row} not shown (see {screenshot})"

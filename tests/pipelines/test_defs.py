@@ -2,6 +2,7 @@
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from checkpoint_storage import FileSystemCheckpointStorage, StorageConfigurationError
-from pipelines import SourcePosition
+from pipelines import SourcePosition, job_id_for
 from pipelines.definitions import defs
 from pipelines.examples import page_views
 from pipelines.examples.click_events import NAME
@@ -21,6 +22,7 @@ from resources import CheckpointStorageResource
 from tests.pipelines.support import click_defs, click_pipeline, materialize_range, resources_for
 
 ROOT = Path(__file__).resolve().parents[2]
+RANGE_START = "dagster/asset_partition_range_start"
 
 
 def test_code_location_loads():
@@ -97,6 +99,41 @@ def test_materialization_records_checkpoint_metadata(materialized):
     assert second["state_bytes"] > 0
     assert second["files_written"] + second["inline_states"] >= 2
     assert 30 == second["state_rows_user_activity"]
+
+
+def test_a_backfill_yields_the_check_for_the_last_checkpoint_it_wrote(materialized):
+    """A two-day single-run backfill with the integrity check selected (as the UI selects
+    it) evaluates the check once, for the checkpoint of the last day, and skips no step."""
+    instance, _, result, _ = materialized
+    (evaluation,) = result.get_asset_check_evaluations()
+    last = user_activity_metadata(instance)["2026-10-02"]["checkpoint_pointer"]
+    assert (True, "checkpoint_integrity") == (evaluation.passed, evaluation.check_name)
+    assert last == evaluation.metadata["checkpoint_pointer"].value
+    assert [] == [e for e in result.all_events if e.event_type_value == "STEP_SKIPPED"]
+
+
+def test_materialization_shows_what_is_retained(materialized):
+    """Each day's materialization carries the retained table as it was right after that
+    day's checkpoint: the second day's lists every retained checkpoint, ending with its own,
+    with decoded positions."""
+    instance, _, _, _ = materialized
+    records = instance.fetch_materializations(dg.AssetKey(NAME), limit=10).records
+    by_day = {r.asset_materialization.partition: r.asset_materialization for r in records}
+    second = by_day["2026-10-02"]
+    rows = [
+        (r.data["kind"], r.data["partition"], r.data["batches"], r.data["complete"])
+        for r in second.metadata["retained"].value.records
+    ]
+    # checkpoint_interval 2, 3 batches a day, max 3 retained: 10-01 end, 10-02 at 2, 10-02 end.
+    expected = [
+        ("checkpoint", "2026-10-01", 3, True),
+        ("checkpoint", "2026-10-02", 2, False),
+        ("checkpoint", "2026-10-02", 3, True),
+    ]
+    assert expected == rows
+    last = second.metadata["retained"].value.records[-1].data
+    assert second.metadata["checkpoint_pointer"].value == last["pointer"]
+    assert second.metadata["checkpoint_id"].value == last["id"]
 
 
 def test_daily_report_materialized_per_partition(materialized):
@@ -216,10 +253,13 @@ def test_next_partitions_continue_from_the_latest_checkpoint(latest, expected):
     assert expected == next_partitions(latest, 2, dt.date(2026, 10, 11))
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
     """The README's main job, run twice on a fresh DAGSTER_HOME: the second run continues
-    from the first run's latest checkpoint, and both runs are in the instance."""
+    from the first run's latest checkpoint, both runs are in the instance, the console shows
+    a line per partition start, batch, checkpoint and end without Dagster's warnings, the
+    summary lists what is retained with the commands that read it, and the backfill command
+    it prints runs."""
     env = os.environ | {
         "DAGSTER_HOME": str(tmp_path / "home"),
         "PIPELINE_DATA_DIR": str(tmp_path / "data"),
@@ -236,8 +276,10 @@ def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
             timeout=600,
         )
         assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+        errors.append(done.stderr)
         return done.stdout
 
+    errors = []
     first, second = run(), run()
     assert "Latest completed checkpoint: none; next: 2026-10-01" in first
     assert "Latest completed checkpoint: end of 2026-10-01; next: 2026-10-02" in second
@@ -248,3 +290,45 @@ def test_main_job_twice_continues_from_the_latest_checkpoint(tmp_path):
         runs = instance.get_runs(dg.RunsFilter(job_name=f"{NAME}_job"))
         assert 2 == len(runs)
         assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+    # Progress: a plain line per partition start, batch, checkpoint and end, nothing else.
+    progress = [line.split("  ", 1)[1] for line in second.splitlines()
+                if re.match(r"\d\d:\d\d:\d\d  ", line)]  # fmt: skip
+    assert [
+        "landed 2026-10-02: 4 batches, 8000 events",
+        f"{NAME}: 1 partition(s), 2026-10-02; Spark master local[2]",
+        "2026-10-02: 4 of 4 batches to apply",
+        "2026-10-02: batch 1 of 4 (2000 rows in)",
+        "2026-10-02: batch 2 of 4 (2000 rows in)",
+        "2026-10-02: batch 3 of 4 (2000 rows in)",
+        "2026-10-02: batch 4 of 4 (2000 rows in)",
+    ] == [line for line in progress if "checkpoint" not in line and "restored" not in line
+          and "done" not in line]  # fmt: skip
+    assert re.search(r"^restored \S+/chk-2 \(end of 2026-10-01\)$", progress[2], re.M)
+    assert re.search(r"2026-10-02: checkpoint 4 at end of 2026-10-02 \(.+ KiB, \d+ files\)",
+                     "\n".join(progress))  # fmt: skip
+    assert "2026-10-02: done, 4 batches, 8000 rows in" in "\n".join(progress)
+    assert " - DEBUG - " not in second
+    assert [] == [line for line in errors[1].splitlines() if "Warning" in line]
+    # The summary: what is retained, the commands that read it and backfill from it.
+    job_dir = f"{tmp_path}/data/checkpoints/{job_id_for(NAME)}"
+    for line in (
+        "checkpoint             4  end of 2026-10-02",
+        f"checkpoints read {job_dir}/chk-4 --stage dedupe",
+        f"checkpoints read {job_dir}/chk-4 --stage user_activity",
+    ):
+        assert line in second
+    (backfill,) = [line.strip() for line in second.splitlines() if "asset materialize" in line]
+    assert "--partition-range 2026-10-02...2026-10-02" in backfill
+    assert f'"restore_from": "{job_dir}/chk-2"' in backfill
+    # ... and the backfill command runs as printed (with this venv's dagster).
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    done = subprocess.run(
+        ["bash", "-c", backfill.replace(".venv/bin/dagster", shlex.quote(dagster), 1)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    with dg.DagsterInstance.from_config(str(tmp_path / "home")) as instance:
+        (backfill_run,) = instance.get_runs(limit=1)  # the newest
+        assert "2026-10-02" == backfill_run.tags[RANGE_START]
+        assert dg.DagsterRunStatus.SUCCESS == backfill_run.status
+        assert f"{NAME}_job" != backfill_run.job_name

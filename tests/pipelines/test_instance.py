@@ -11,8 +11,8 @@ PIPELINES = ("user_activity", "page_views")
 
 @pytest.mark.parametrize("name", PIPELINES)
 def test_every_step_that_writes_checkpoints_is_in_the_pipeline_pool(name):
-    """The stateful asset and the savepoint op of a pipeline share its pool; the integrity
-    check (read-only) is in none."""
+    """The stateful asset, the savepoint op and the integrity check (a part of the stateful
+    step, so it waits for a run that is writing) of a pipeline share its pool."""
     pool = f"checkpoints_{name}"
 
     pools = {
@@ -20,7 +20,7 @@ def test_every_step_that_writes_checkpoints_is_in_the_pipeline_pool(name):
         for job in ("job", "savepoint_job", "integrity_job")
     }
 
-    assert {"job": {pool}, "savepoint_job": {pool}, "integrity_job": set()} == pools
+    assert {"job": {pool}, "savepoint_job": {pool}, "integrity_job": {pool}} == pools
 
 
 def test_pools_are_per_pipeline():

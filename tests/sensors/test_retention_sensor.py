@@ -232,3 +232,51 @@ def test_a_flink_job_directory_is_kept_whole_and_reported(tmp_path):
     unreadable = observation.metadata["unreadable_checkpoints"].value
     assert [f"{job}/chk-{i}" for i in (3, 5, 6)] == sorted(c["pointer"] for c in unreadable)
     assert {"foreign"} == {c["reason"] for c in unreadable}
+
+
+def retained_rows(event) -> list[tuple]:
+    """The (kind, id, partition, batches, complete, pointer) rows of an event's ``retained``
+    table."""
+    table = event.metadata["retained"]
+    return [
+        tuple(r.data[c] for c in ("kind", "id", "partition", "batches", "complete", "pointer"))
+        for r in table.records
+    ]
+
+
+def test_observation_shows_what_is_retained_after_the_tick(tmp_path):
+    """The tick's observation carries the retained table: the two retained checkpoints by id,
+    then the savepoints left, oldest first, each with its decoded position and pointer."""
+    prepared = Prepared(tmp_path)
+    sensor = retention_sensor(POLICY)
+    with dg.instance_for_test() as instance:
+        record_lineage(instance, prepared)
+        result = evaluate(sensor, instance, prepared.resource)
+    (observation,) = result.asset_events
+    expected = [
+        ("checkpoint", 4, "2026-10-04", 2, True, prepared.chk[4]),
+        ("checkpoint", 5, "2026-10-05", 2, True, prepared.chk[5]),
+        ("savepoint", 2, "2026-10-02", 2, True, prepared.hand_made[0]),
+        ("scheduled savepoint", 1, "2026-10-01", 2, True, prepared.scheduled[0]),
+        ("scheduled savepoint", 3, "2026-10-03", 2, True, prepared.scheduled[2]),
+        ("scheduled savepoint", 4, "2026-10-04", 2, True, prepared.scheduled[3]),
+        ("savepoint", 5, "2026-10-05", 2, True, prepared.hand_made[1]),
+    ]
+    assert expected == retained_rows(observation)
+
+
+def test_tick_after_a_new_savepoint_records_it_without_deleting(tmp_path):
+    """A savepoint written between two ticks changes what is retained: the second tick
+    deletes nothing but records an observation whose table ends with the new savepoint."""
+    prepared = Prepared(tmp_path)
+    sensor = retention_sensor(POLICY)
+    with dg.instance_for_test() as instance:
+        record_lineage(instance, prepared)
+        first = evaluate(sensor, instance, prepared.resource)
+        access = pipeline_access(prepared.resource)
+        new = snapshot(access, 5, end_of(5), savepoint_dir=str(tmp_path / "savepoints"))
+        second = evaluate(sensor, instance, prepared.resource, first.cursor)
+    (observation,) = second.asset_events
+    assert "retained checkpoints and savepoints changed" == observation.description
+    assert [] == observation.metadata["deleted_savepoints"].value
+    assert ("savepoint", 5, "2026-10-05", 2, True, new) == retained_rows(observation)[-1]

@@ -57,8 +57,9 @@ def click_events_asset(
     def click_events(
         context: dg.AssetExecutionContext, config: LandingConfig
     ) -> dg.MaterializeResult:
-        days = [
-            generate_day(
+        days = []
+        for partition in context.partition_keys:
+            day = generate_day(
                 landing_dir,
                 partition,
                 batches=config.batches_per_day,
@@ -67,8 +68,8 @@ def click_events_asset(
                 seed=config.seed,
                 storage_options=storage_options,
             )
-            for partition in context.partition_keys
-        ]
+            context.log.info(f"landed {partition}: {day.batches} batches, {day.rows} events")
+            days.append(day)
         return dg.MaterializeResult(
             metadata={
                 "landing_dir": dg.MetadataValue.path(landing_dir),

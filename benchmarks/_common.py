@@ -44,3 +44,31 @@ def targets_line(rows) -> str:
     if missed:
         line += "; missed: " + ", ".join(f"{r.backend} {r.workload}" for r in missed)
     return line
+
+
+def tree_cpu_seconds() -> float | None:
+    """CPU seconds of this process and all its descendants (the JVM, the Python workers),
+    including reaped children; None where /proc is not available."""
+    me = os.getpid()
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(")") + 2 :].split()
+        pid = int(entry)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    total, todo = 0, [me]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")

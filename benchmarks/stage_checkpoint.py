@@ -75,7 +75,7 @@ from functools import partial
 from pathlib import Path
 from unittest import mock
 
-from _common import targets_line
+from _common import targets_line, tree_cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -134,34 +134,6 @@ def _write_with_options(options, task, batches):
 
 
 # --- measuring ----------------------------------------------------------------------------
-
-
-def tree_cpu_seconds() -> float | None:
-    """CPU seconds of this process and all its descendants (the JVM, the Python workers),
-    including reaped children; None where /proc is not available."""
-    me = os.getpid()
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rindex(")") + 2 :].split()
-        pid = int(entry)
-        children.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    total, todo = 0, [me]
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo += children.get(pid, [])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

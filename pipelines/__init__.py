@@ -2,12 +2,20 @@
 
 Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
 with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``). Everything a
-pipeline needs is exported here; examples live in ``pipelines.examples``.
+pipeline needs is exported here; examples live in ``pipelines.examples``. Keyed state's
+machinery (key groups, the local store, change files and chains) is ``pipelines.keyed``.
 """
 
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
 from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
 from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
+from pipelines.keyed import (
+    DEFAULT_MAX_PARALLELISM,
+    KeyedResult,
+    KeyedStage,
+    StateTtl,
+    TtlTimeCharacteristic,
+)
 from pipelines.runner import (
     PIPELINE_NAME_STATE,
     POSITION_STATE,
@@ -25,6 +33,7 @@ from pipelines.runner import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_PARALLELISM",
     "PIPELINE_NAME_STATE",
     "POSITION_STATE",
     "SCHEDULED_SAVEPOINTS",
@@ -32,6 +41,8 @@ __all__ = [
     "BatchListChangedError",
     "CheckpointSummary",
     "FileSource",
+    "KeyedResult",
+    "KeyedStage",
     "MissingStateError",
     "ParquetSink",
     "PartitionOrder",
@@ -43,7 +54,9 @@ __all__ = [
     "SparkWriterSink",
     "Stage",
     "StatefulPipeline",
+    "StateTtl",
     "StatefulRunner",
+    "TtlTimeCharacteristic",
     "arrow_schema",
     "batches_digest",
     "check_restore_from",

@@ -184,13 +184,17 @@ def _identity(layout: KeyedStateLayout, kind: str, key_groups: KeyGroupRange) ->
 
 
 class _KeepOpen:
-    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it."""
+    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it. After
+    ``abort`` writes go nowhere: a writer dropped on an error flushes into nothing."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
         self.closed = False
+        self.aborted = False
 
     def write(self, data) -> int:
+        if self.aborted:
+            return len(data)
         return self._stream.write(data)
 
     def tell(self) -> int:
@@ -207,8 +211,9 @@ def _write(factory: CheckpointStreamFactory, schema: pa.Schema,
            batches: Iterable[pa.RecordBatch | pa.Table], name_prefix: str) -> StreamStateHandle:
     stream = factory.create_checkpoint_state_output_stream(CheckpointedStateScope.SHARED,
                                                            name_prefix)
+    sink = _KeepOpen(stream)
     try:
-        writer = pq.ParquetWriter(_KeepOpen(stream), schema, **_PARQUET_OPTIONS)
+        writer = pq.ParquetWriter(sink, schema, **_PARQUET_OPTIONS)
         for batch in batches:
             if batch.num_rows:
                 table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
@@ -216,6 +221,7 @@ def _write(factory: CheckpointStreamFactory, schema: pa.Schema,
         writer.close()
         return stream.close_and_get_handle()
     except BaseException:
+        sink.aborted = True
         stream.close()
         raise
 
@@ -247,10 +253,28 @@ def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout
 def write_materialisation(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
                           key_groups: KeyGroupRange, batches: Iterable[pa.RecordBatch],
                           name_prefix: str = "") -> StreamStateHandle:
-    """Write the whole state of a key group range, ``batches`` sorted by key group (as
-    ``KeyedStateStore.sorted_batches`` yields them), as a SHARED-scope materialisation."""
+    """Write the whole state of a key group range as a SHARED-scope materialisation:
+    ``batches`` of stored rows with ``_key_group``, sorted by key group, as
+    ``KeyedStateStore.sorted_batches`` yields them (checked as they stream)."""
     schema = _file_schema(layout, _MATERIALISATION, key_groups)
-    return _write(factory, schema, batches, name_prefix)
+    return _write(factory, schema, _checked_sorted(batches, key_groups), name_prefix)
+
+
+def _checked_sorted(batches: Iterable[pa.RecordBatch], key_groups: KeyGroupRange):
+    previous = key_groups.start
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        if KEY_GROUP not in batch.schema.names:
+            raise ValueError(f"materialisation of key groups {key_groups}: rows need a "
+                             f"{KEY_GROUP} column (use KeyedStateStore.sorted_batches)")
+        groups = batch.column(KEY_GROUP).to_numpy()
+        if groups[0] < previous or (np.diff(groups) < 0).any() or groups[-1] > key_groups.end:
+            raise ValueError(f"materialisation of key groups {key_groups}: rows must be sorted "
+                             "by key group and inside the range (use "
+                             "KeyedStateStore.sorted_batches)")
+        previous = int(groups[-1])
+        yield batch
 
 
 def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,

@@ -46,7 +46,7 @@ from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
 )
-from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
+from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
 __all__ = [
     "CHAIN_FORMAT",
@@ -333,7 +333,6 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
     removes it). Rescaling is this with the new task's range: chains are disjoint, so each
     key comes from exactly one chain."""
     key = list(layout.key)
-    names = layout.stored_schema.names
     parts = []
     for chain in chains:
         overlap = chain.key_groups.intersection(wanted)
@@ -356,8 +355,7 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
         latest = changes.join(latest, [*key, "_sequence"], join_type="left semi")
         kept = state.join(latest.select(key), key, join_type="left anti")
         upserts = latest.filter(pc.invert(latest.column(DELETED)))
-        parts.append(pa.concat_tables([kept.select(names),
-                                       layout.conform(upserts, _describe(chain.changes[-1]))]))
+        parts.append(concat_as(layout.stored_schema, [kept, upserts]))
     if not parts:
         return layout.stored_schema.empty_table()
     return pa.concat_tables(parts)

@@ -14,7 +14,7 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._stage import WRITTEN_AT, KeyedStage, StateTtl, TtlTimeCharacteristic
 
-__all__ = ["KEY_GROUP", "KeyedStateLayout"]
+__all__ = ["KEY_GROUP", "KeyedStateLayout", "concat_as"]
 
 KEY_GROUP = "_key_group"
 """The column the state files add: each row's key group (int16)."""
@@ -101,3 +101,12 @@ class KeyedStateLayout:
             raise ValueError(f"{what}: key columns {missing} missing")
         table = table.select(schema.names)
         return table if table.schema == schema else table.cast(schema)
+
+
+def concat_as(schema: pa.Schema, tables: list[pa.Table]) -> pa.Table:
+    """``tables`` (the columns of ``schema``, in any order) as one table of ``schema``. Arrow's
+    joins drop the not-null flag of fields, so parts are cast before they are joined up."""
+    return pa.concat_tables([
+        t.select(schema.names) if t.select(schema.names).schema == schema
+        else t.select(schema.names).cast(schema) for t in tables
+    ])

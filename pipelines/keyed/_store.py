@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from pipelines.keyed._key_groups import KeyGroupRange, hash_keys
-from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
+from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
 __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError"]
 
@@ -111,7 +111,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self.key_groups = key_groups
         self.merge_ratio = merge_ratio
         self.min_merge_rows = min_merge_rows
-        schema = layout.stored_schema
+        # value columns nullable inside the store: deletes are rows of nulls in the delta
+        schema = pa.schema([f.with_nullable(True) for f in layout.stored_schema])
         self._segment_schema = schema.append(pa.field(_HASH, pa.uint64()))
         self._delta_schema = self._segment_schema.append(pa.field(_DELETED, pa.bool_()))
         self._segment_file: str | None = None
@@ -240,7 +241,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
             from_delta, rest = self._delta, keys
         rows, _ = self._find_in_segment(rest, hash_keys(rest, self.layout.key))
         found = self._segment.take(pa.array(rows)).select(schema.names)
-        result = pa.concat_tables([found, from_delta.select(schema.names)])
+        result = concat_as(schema, [found, from_delta])
         if cutoff is not None and self.layout.ttl is not None:
             result = result.filter(pc.invert(self.layout.ttl.expired(result, cutoff)))
         return result
@@ -254,8 +255,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         keep = np.ones(self._segment.num_rows, bool)
         keep[rows] = False
         live = self._delta.filter(pc.invert(self._delta.column(_DELETED)))
-        return pa.concat_tables([self._segment.filter(pa.array(keep)),
-                                 live.drop_columns([_DELETED])])
+        return concat_as(self._segment_schema, [self._segment.filter(pa.array(keep)), live])
 
     def sorted_batches(self, max_rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
         table = self._materialised()
@@ -281,9 +281,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def _merge_delta(self, change: pa.Table) -> None:
         key = list(self.layout.key)
         kept = self._delta.join(change.select(key), key, join_type="left anti")
-        self._delta = pa.concat_tables([kept.select(self._delta_schema.names),
-                                        change.select(self._delta_schema.names)]
-                                       ).combine_chunks()
+        self._delta = concat_as(self._delta_schema, [kept, change]).combine_chunks()
 
     def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
         upserts = self.layout.conform(upserts, f"local store {self.directory}: upserts")
@@ -299,7 +297,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
              else pa.nulls(deleted.num_rows, field.type)
              for name, field in zip(self._segment_schema.names, self._segment_schema,
                                     strict=True)}, schema=self._segment_schema)
-        change = pa.concat_tables([
+        change = concat_as(self._delta_schema, [
             upserts.append_column(_DELETED, pa.repeat(False, upserts.num_rows)),
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])

@@ -362,3 +362,21 @@ def test_many_batches_replay_like_applying_them(job, tmp_path):
         chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL, upserts, NO_KEYS))
 
     assert store_state(store) == as_model(replay_chains([chain], LAYOUT, ALL))
+
+
+def test_not_null_state_columns_keep_their_schema(job, tmp_path):
+    """A state schema with not-null columns comes back with that schema from the store, a
+    change file and a replay, deletes included."""
+    schema = pa.schema([pa.field("k", pa.int64(), nullable=False),
+                        pa.field("v", pa.string(), nullable=False)])
+    layout = KeyedStateLayout(("k",), schema, MAX_PARALLELISM)
+    upserts, doomed = pa.table({"k": [1, 2], "v": ["a", "b"]}, schema=schema), pa.table(
+        {"k": [3]})
+    store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL)
+    store.apply(upserts, doomed)
+    handle = write_change_file(job.factory, layout, ALL, upserts, doomed)
+
+    assert [schema] * 3 == [store.get(pa.table({"k": [1, 3]})).schema,
+                            read_change_file(handle, layout, ALL)[0].schema,
+                            replay_chains([KeyedStateChain(ALL, None, (handle,))], layout,
+                                          ALL).schema]

@@ -16,6 +16,7 @@ from pipelines.keyed._chain import (
     chains_to_operator_state,
     read_change_file,
     read_materialisation,
+    rebuild_store,
     replay_chains,
     write_change_file,
     write_materialisation,
@@ -32,7 +33,12 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
-from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
+from pipelines.keyed._store import (
+    ArrowKeyedStateStore,
+    KeyedStateStore,
+    LocalStoreError,
+    remove_store,
+)
 
 __all__ = [
     "CHAIN_FORMAT",
@@ -59,6 +65,8 @@ __all__ = [
     "hash_keys",
     "read_change_file",
     "read_materialisation",
+    "rebuild_store",
+    "remove_store",
     "replay_chains",
     "write_change_file",
     "write_materialisation",

@@ -47,6 +47,7 @@ from pipelines.keyed._key_groups import (
     compute_key_group_range_for_operator_index,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._store import ArrowKeyedStateStore, remove_store
 
 __all__ = [
     "CHAIN_FORMAT",
@@ -57,6 +58,7 @@ __all__ = [
     "chains_to_operator_state",
     "read_change_file",
     "read_materialisation",
+    "rebuild_store",
     "replay_chains",
     "write_change_file",
     "write_materialisation",
@@ -359,6 +361,18 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
     if not parts:
         return layout.stored_schema.empty_table()
     return pa.concat_tables(parts)
+
+
+def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange,
+                  chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
+    """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
+    holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
+    finds no store for its range, a stale one, or one it cannot read."""
+    state = replay_chains(chains, layout, key_groups)
+    remove_store(directory)
+    store = ArrowKeyedStateStore(directory, layout, key_groups)
+    store.apply(state, layout.key_schema.empty_table(), version=version)
+    return store
 
 
 def key_group_mask(layout: KeyedStateLayout, table: pa.Table,

@@ -12,6 +12,7 @@ that every process and machine agrees (Python's ``hash()`` is salted per process
   (in the column's own unit), then ``fmix64``;
 - several key columns: ``h = fmix64(h * P + h_column)`` from left to right.
 
+``P`` is the FNV-64 prime ``0x100000001B3``, ``GOLDEN`` is ``0x9E3779B97F4A7C15`` and
 ``fmix64`` is MurmurHash3's 64-bit finaliser. The key group is ``hash mod max_parallelism``.
 ``KEY_HASH`` names this definition; it is recorded with keyed state so that a later version
 can refuse state grouped by another hash instead of misreading it.
@@ -35,7 +36,7 @@ __all__ = [
     "hash_keys",
 ]
 
-KEY_HASH = "poly31-fmix64-v1"
+KEY_HASH = "bytepoly-fmix64-v1"
 DEFAULT_MAX_PARALLELISM = 128
 """Flink's default lower bound for the max parallelism of an operator."""
 UPPER_BOUND_MAX_PARALLELISM = 1 << 15

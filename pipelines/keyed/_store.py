@@ -29,7 +29,7 @@ import pyarrow.ipc as ipc
 from pipelines.keyed._key_groups import KeyGroupRange, hash_keys
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
-__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError"]
+__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "remove_store"]
 
 _HASH = "_hash"
 _DELETED = "_deleted"
@@ -125,6 +125,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         if manifest.exists():
             self._load(manifest)
         else:
+            if self.directory.exists() and any(self.directory.iterdir()):
+                raise LocalStoreError(f"{self.directory} is not empty and holds no local store "
+                                      f"({_MANIFEST}); give the store a directory of its own")
             self.directory.mkdir(parents=True, exist_ok=True)
             self._write_manifest()
 
@@ -341,4 +344,17 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     def destroy(self) -> None:
         self.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        remove_store(self.directory)
+
+
+def remove_store(directory: str | os.PathLike) -> None:
+    """Delete a local store's directory, whatever state it holds. A directory that is not a
+    store (no manifest, not empty) is refused: a misconfigured path must not lose files."""
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not (directory / _MANIFEST).exists() and any(directory.iterdir()):
+        raise LocalStoreError(f"{directory} is not a local keyed-state store (no {_MANIFEST}) "
+                              "and is not empty; refusing to delete it: point the store "
+                              "directory elsewhere")
+    shutil.rmtree(directory)

@@ -32,6 +32,8 @@ from pipelines.keyed import (
     compute_key_group_range_for_operator_index,
     read_change_file,
     read_materialisation,
+    rebuild_store,
+    remove_store,
     replay_chains,
     write_change_file,
     write_materialisation,
@@ -380,3 +382,29 @@ def test_not_null_state_columns_keep_their_schema(job, tmp_path):
                             read_change_file(handle, layout, ALL)[0].schema,
                             replay_chains([KeyedStateChain(ALL, None, (handle,))], layout,
                                           ALL).schema]
+
+
+def test_rebuild_replaces_a_stale_store_with_the_chains_state(job, tmp_path):
+    """A task with a stale store rebuilds it from the chain: the old rows are gone, the
+    chain's are there, and the store says which version it holds."""
+    stale = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    stale.apply(rows({"gone": 1}), NO_KEYS, version="3")
+    stale.close()
+    chain = KeyedStateChain(ALL, None, (write_change_file(job.factory, LAYOUT, ALL,
+                                                          rows({"a": 1}), NO_KEYS),))
+
+    store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], version="7")
+
+    assert ({"a": 1}, "7") == (store_state(store), store.version)
+
+
+def test_a_directory_that_is_not_a_store_is_never_deleted(tmp_path):
+    """A store pointed at a directory with other files refuses to open or be removed, and
+    the files stay."""
+    (tmp_path / "notes.txt").write_text("mine")
+
+    with pytest.raises(LocalStoreError, match="not empty and holds no local store"):
+        ArrowKeyedStateStore(tmp_path, LAYOUT, ALL)
+    with pytest.raises(LocalStoreError, match="refusing to delete it"):
+        remove_store(tmp_path)
+    assert "mine" == (tmp_path / "notes.txt").read_text()

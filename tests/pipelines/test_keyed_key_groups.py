@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +18,8 @@ from pipelines.keyed import (
     compute_operator_index_for_key_group,
     hash_keys,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @st.composite
@@ -123,8 +126,8 @@ def test_hash_is_stable_across_processes():
     probe = ("import pyarrow as pa; from pipelines.keyed import hash_keys; "
              "print(hash_keys(pa.table({'k': ['a', 'user_1', '']}), ('k',)).tolist())")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            check=True, env={"PYTHONHASHSEED": "123", "PYTHONPATH": "."},
-                            timeout=120)
+                            check=True, env={"PYTHONHASHSEED": "123", "PYTHONPATH": str(ROOT)},
+                            cwd=ROOT, timeout=120)
 
     assert "[12447961245826247199, 4988025882318501645, 0]" == result.stdout.strip()
 

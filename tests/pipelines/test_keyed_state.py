@@ -15,6 +15,7 @@ from checkpoint_storage import (
     FileStateHandle,
     FileSystemCheckpointStorage,
     JobID,
+    StandaloneCompletedCheckpointStore,
     load_checkpoint_metadata,
     store_checkpoint_metadata,
 )
@@ -408,3 +409,32 @@ def test_a_directory_that_is_not_a_store_is_never_deleted(tmp_path):
     with pytest.raises(LocalStoreError, match="refusing to delete it"):
         remove_store(tmp_path)
     assert "mine" == (tmp_path / "notes.txt").read_text()
+
+
+def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_them(job):
+    """Retaining one checkpoint: change files stay while the latest chain references them,
+    and go once a materialisation starts a new chain and the old checkpoint is subsumed."""
+    retained = StandaloneCompletedCheckpointStore(max_retained=1)
+    chain = KeyedStateChain(ALL, None)
+    written = []
+    for checkpoint_id in (1, 2, 3):
+        location = (job.location if checkpoint_id == 1
+                    else job.access.initialize_location_for_checkpoint(checkpoint_id))
+        factory = job.access.resolve_checkpoint_storage_location(
+            checkpoint_id, location.location_reference)
+        if checkpoint_id < 3:
+            handle = write_change_file(factory, LAYOUT, ALL, rows({"a": checkpoint_id}), NO_KEYS)
+            chain = chain.appended(handle)
+        else:
+            handle = write_materialisation(factory, LAYOUT, ALL, [])
+            chain = KeyedStateChain(ALL, handle)
+        written.append(Path(handle.path))
+        out = location.create_metadata_output_stream()
+        operator = chains_to_operator_state("clicks", MAX_PARALLELISM, [chain])
+        store_checkpoint_metadata(CheckpointMetadata(checkpoint_id, (operator,)), out)
+        retained.add_checkpoint(out.close_and_finalize_checkpoint())
+        retained.shared_state_registry.wait_for_pending_deletions()
+        if checkpoint_id == 2:
+            assert [True, True] == [p.exists() for p in written]
+
+    assert [False, False, True] == [p.exists() for p in written]

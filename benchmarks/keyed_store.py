@@ -307,7 +307,7 @@ class ArrowStore:
         self.hashes = self.segment.column("_hash").to_numpy()  # zero-copy over the mapping
 
     def load(self, table: pa.Table) -> None:
-        self._write_segment(table)
+        self._write_segment(pa.concat_tables([self.materialised(), table]))
 
     def _segment_rows(self, keys: pa.Array) -> pa.Table:
         h = hash_keys(pa.table({"key": keys}), ("key",))

@@ -403,8 +403,7 @@ STORES = (RocksStore, DuckStore, SqliteStore, ArrowStore, CoreArrowStore)
 
 def rebuild(store_class, directory: Path, snapshot: Path, changes: list[tuple[Path, Path]]):
     store = store_class(directory)
-    for batch in pq.ParquetFile(snapshot).iter_batches(1 << 20):
-        store.load(pa.Table.from_batches([batch]))
+    store.load(pq.read_table(snapshot))  # whole: each store loads in its own way
     for upserts, deletes in changes:
         store.upsert(pq.read_table(upserts))
         store.delete(pq.read_table(deletes).column("key").combine_chunks())
@@ -420,8 +419,7 @@ def run_one(store_class, size: int, batches: int, work: Path, seed: int) -> dict
     directory = work / store_class.name
     store = store_class(directory)
     started = time.perf_counter()
-    for chunk in initial.to_batches(1 << 20):
-        store.load(pa.Table.from_batches([chunk]))
+    store.load(initial)
     store.flush()
     load_s = time.perf_counter() - started
     live = np.array(ids)

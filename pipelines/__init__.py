@@ -3,12 +3,21 @@
 Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
 with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``); read the
 state of a checkpoint or savepoint with ``read_state`` (or Spark's ``checkpoint`` format).
-Everything a pipeline needs is exported here; examples live in ``pipelines.examples``.
+Everything a pipeline needs is exported here; examples live in ``pipelines.examples``. Keyed
+state's machinery (key groups, the local store, change files and chains) is
+``pipelines.keyed``; the runner does not run keyed stages yet.
 """
 
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
 from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
 from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
+from pipelines.keyed import (
+    DEFAULT_MAX_PARALLELISM,
+    KeyedResult,
+    KeyedStage,
+    StateTtl,
+    TtlTimeCharacteristic,
+)
 from pipelines.runner import (
     PIPELINE_NAME_STATE,
     POSITION_STATE,
@@ -21,6 +30,7 @@ from pipelines.runner import (
     StatefulRunner,
     batches_digest,
     check_restore_from,
+    check_runnable,
     empty_state,
     job_id_for,
 )
@@ -40,6 +50,7 @@ from pipelines.state_reader import (
 from pipelines.state_source import CheckpointDataSource, register_checkpoint_source
 
 __all__ = [
+    "DEFAULT_MAX_PARALLELISM",
     "PIPELINE_NAME_STATE",
     "POSITION_STATE",
     "SCHEDULED_SAVEPOINTS",
@@ -49,6 +60,8 @@ __all__ = [
     "CheckpointDataSource",
     "CheckpointSummary",
     "FileSource",
+    "KeyedResult",
+    "KeyedStage",
     "MissingStateError",
     "ParquetSink",
     "PartitionOrder",
@@ -65,11 +78,14 @@ __all__ = [
     "StatePart",
     "StateReadError",
     "StatefulPipeline",
+    "StateTtl",
     "StatefulRunner",
+    "TtlTimeCharacteristic",
     "UnknownStageError",
     "arrow_schema",
     "batches_digest",
     "check_restore_from",
+    "check_runnable",
     "empty_state",
     "job_id_for",
     "open_snapshot",

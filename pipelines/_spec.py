@@ -15,6 +15,11 @@ from pyspark.sql import types as T
 
 from pipelines._sinks import Sink
 from pipelines._sources import Source
+from pipelines.keyed import (
+    DEFAULT_MAX_PARALLELISM,
+    UPPER_BOUND_MAX_PARALLELISM,
+    KeyedStage,
+)
 
 __all__ = ["SOURCE", "PartitionOrder", "Stage", "StatefulPipeline"]
 
@@ -127,6 +132,12 @@ class StatefulPipeline:
     partition; ``max_retained_checkpoints`` completed checkpoints are kept; ``sinks`` write
     stage outputs (or state) per partition, idempotently.
 
+    ``stages`` are DataFrame stages (``Stage``) and keyed stages (``KeyedStage``) in any mix.
+    ``max_parallelism``: the number of key groups of every keyed stage (Flink's max
+    parallelism), the most tasks a keyed stage can ever run on. It is fixed for the life of
+    the pipeline's state: checkpoints record it, and state written with another cannot be
+    restored.
+
     ``name`` is stable and readable (lowercase letters, digits, ``_``): the job id (and so the
     checkpoint directory) derives from it, every `_metadata` records it, and every Dagster
     name of the pipeline starts with it. ``deps``: upstream Dagster assets (e.g. the asset
@@ -134,7 +145,7 @@ class StatefulPipeline:
     """
 
     name: str
-    stages: Sequence[Stage]
+    stages: Sequence[Stage | KeyedStage]
     source: Source
     partitions: dg.PartitionsDefinition
     sinks: Sequence[Sink] = ()
@@ -142,6 +153,7 @@ class StatefulPipeline:
     max_retained_checkpoints: int = 3
     description: str | None = None
     deps: Sequence[dg.AssetsDefinition] = ()
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
     order: PartitionOrder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -161,10 +173,16 @@ class StatefulPipeline:
                             (self.max_retained_checkpoints, "max_retained_checkpoints")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"pipeline {self.name}: {what} must be >= 1, got {value!r}")
+        if (isinstance(self.max_parallelism, bool) or not isinstance(self.max_parallelism, int)
+                or not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM):
+            raise ValueError(
+                f"pipeline {self.name}: max_parallelism must be in [1, "
+                f"{UPPER_BOUND_MAX_PARALLELISM}], got {self.max_parallelism!r}"
+            )
         seen: list[str] = []
         for stage in self.stages:
-            if not isinstance(stage, Stage):
-                raise TypeError(f"pipeline {self.name}: {stage!r} is not a Stage")
+            if not isinstance(stage, Stage | KeyedStage):
+                raise TypeError(f"pipeline {self.name}: {stage!r} is not a Stage or KeyedStage")
             if stage.name in seen:
                 raise ValueError(f"pipeline {self.name}: two stages are called {stage.name!r}")
             if stage.input not in (None, SOURCE, *seen):
@@ -194,7 +212,12 @@ class StatefulPipeline:
             return stage.input
         return SOURCE if index == 0 else self.stages[index - 1].name
 
-    def stage(self, name: str) -> Stage:
+    @property
+    def keyed_stages(self) -> tuple[KeyedStage, ...]:
+        """The keyed stages, in order."""
+        return tuple(s for s in self.stages if isinstance(s, KeyedStage))
+
+    def stage(self, name: str) -> Stage | KeyedStage:
         for stage in self.stages:
             if stage.name == name:
                 return stage

@@ -1,0 +1,73 @@
+"""Keyed state (Flink's keyed state with incremental checkpoints), independent of Spark.
+
+A ``KeyedStage`` declares key columns, a state schema, an optional ``StateTtl`` and a
+vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
+``compute_key_group_range_for_operator_index``); each task keeps its range in a local
+``KeyedStateStore`` and writes its changes per batch as SHARED-scope change files;
+``KeyedStateChain`` records, per range, the latest materialisation and the change files since.
+See docs/design.md, "Keyed state".
+"""
+
+from pipelines.keyed._chain import (
+    CHAIN_FORMAT,
+    KeyedStateChain,
+    KeyedStateFormatError,
+    chains_from_operator_state,
+    chains_to_operator_state,
+    read_change_file,
+    read_materialisation,
+    rebuild_store,
+    replay_chains,
+    write_change_file,
+    write_materialisation,
+)
+from pipelines.keyed._key_groups import (
+    DEFAULT_MAX_PARALLELISM,
+    KEY_HASH,
+    UPPER_BOUND_MAX_PARALLELISM,
+    KeyGroupRange,
+    assign_key_groups,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
+    hash_keys,
+)
+from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
+from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
+from pipelines.keyed._store import (
+    ArrowKeyedStateStore,
+    KeyedStateStore,
+    LocalStoreError,
+    remove_store,
+)
+
+__all__ = [
+    "CHAIN_FORMAT",
+    "DEFAULT_MAX_PARALLELISM",
+    "KEY_GROUP",
+    "KEY_HASH",
+    "UPPER_BOUND_MAX_PARALLELISM",
+    "ArrowKeyedStateStore",
+    "KeyGroupRange",
+    "KeyedResult",
+    "KeyedStage",
+    "KeyedStateChain",
+    "KeyedStateFormatError",
+    "KeyedStateLayout",
+    "KeyedStateStore",
+    "LocalStoreError",
+    "StateTtl",
+    "TtlTimeCharacteristic",
+    "assign_key_groups",
+    "chains_from_operator_state",
+    "chains_to_operator_state",
+    "compute_key_group_range_for_operator_index",
+    "compute_operator_index_for_key_group",
+    "hash_keys",
+    "read_change_file",
+    "read_materialisation",
+    "rebuild_store",
+    "remove_store",
+    "replay_chains",
+    "write_change_file",
+    "write_materialisation",
+]

@@ -1,0 +1,382 @@
+"""Keyed state on checkpoint storage: change files, materialisations and the chain that
+ties them to a checkpoint.
+
+- A **change file** holds one batch's changes to one key group range: a Parquet file with
+  the stored columns, ``_key_group`` (int16) and ``_deleted`` (bool). An upsert is a full row
+  with ``_deleted`` false; a delete carries the key columns, ``_deleted`` true and nulls
+  elsewhere (value columns are nullable in the file for that reason). A key appears at most
+  once per file.
+- A **materialisation** is the whole state of a key group range: a Parquet file with the
+  stored columns and ``_key_group``, sorted by key group (so a reader of a narrower range
+  skips row groups by their statistics), readable by DuckDB and pandas as it is.
+- A **chain** (``KeyedStateChain``) is, per key group range, the latest materialisation (or
+  none: empty state) and the change files written since, oldest first. Its state is the
+  materialisation with the changes replayed in order: a later row for a key wins, a delete
+  removes it. In `_metadata` a chain is one ``OperatorSubtaskState``: its handles are the
+  materialisation (if any) then the change files, its properties say which is which and the
+  key group range, so it is stored without pickle by the storage layer's own encoding.
+
+Both files are written as SHARED-scope state streams through the worker view
+(``CheckpointStreamFactory.create_checkpoint_state_output_stream``): later checkpoints
+reference them until the next materialisation, and the shared-state registry keeps them
+exactly as long as a retained checkpoint does. Each file's Parquet key-value metadata names
+its kind, format version, key columns, key hash, max parallelism and key group range; a
+reader checks them, so a file of another stage or range is refused instead of misread.
+"""
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from checkpoint_storage import (
+    ByteStreamStateHandle,
+    CheckpointedStateScope,
+    CheckpointStreamFactory,
+    FileStateHandle,
+    OperatorState,
+    OperatorSubtaskState,
+    StreamStateHandle,
+)
+from pipelines.keyed._key_groups import (
+    KeyGroupRange,
+    compute_key_group_range_for_operator_index,
+)
+from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._store import ArrowKeyedStateStore, remove_store
+
+__all__ = [
+    "CHAIN_FORMAT",
+    "DELETED",
+    "KeyedStateChain",
+    "KeyedStateFormatError",
+    "chains_from_operator_state",
+    "chains_to_operator_state",
+    "read_change_file",
+    "read_materialisation",
+    "rebuild_store",
+    "replay_chains",
+    "write_change_file",
+    "write_materialisation",
+]
+
+CHAIN_FORMAT = "keyed-v1"
+DELETED = "_deleted"
+_META_KEY = b"keyed_state"
+_CHANGE = "change"
+_MATERIALISATION = "materialisation"
+# Same reasoning as the stage state files (pipelines/state_io.py): snappy, no dictionaries.
+# Statistics stay on: a materialisation's key group column lets readers skip row groups.
+_PARQUET_OPTIONS = {"compression": "snappy", "use_dictionary": False}
+_ROW_GROUP_ROWS = 1 << 16
+
+_P_FORMAT = "keyed.format"
+_P_KEY_GROUPS = "keyed.key_groups"
+_P_MATERIALISED = "keyed.materialised"
+
+
+class KeyedStateFormatError(ValueError):
+    """A keyed-state file that cannot be read as what the chain says it is."""
+
+
+def _describe(handle: StreamStateHandle) -> str:
+    if isinstance(handle, FileStateHandle):
+        return handle.path
+    if isinstance(handle, ByteStreamStateHandle):
+        return f"inline state {handle.handle_name}"
+    return repr(handle)
+
+
+@dataclass(frozen=True)
+class KeyedStateChain:
+    """One key group range's state in a checkpoint: the latest materialisation (None: the
+    range had no state when the chain started) and the change files since, oldest first."""
+
+    key_groups: KeyGroupRange
+    materialisation: StreamStateHandle | None
+    changes: tuple[StreamStateHandle, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "changes", tuple(self.changes))
+
+    def appended(self, change: StreamStateHandle) -> "KeyedStateChain":
+        return KeyedStateChain(self.key_groups, self.materialisation, (*self.changes, change))
+
+    @property
+    def handles(self) -> tuple[StreamStateHandle, ...]:
+        first = () if self.materialisation is None else (self.materialisation,)
+        return (*first, *self.changes)
+
+    def to_subtask_state(self) -> OperatorSubtaskState:
+        return OperatorSubtaskState(self.handles, {
+            _P_FORMAT: CHAIN_FORMAT,
+            _P_KEY_GROUPS: str(self.key_groups),
+            _P_MATERIALISED: "true" if self.materialisation is not None else "false",
+        })
+
+    @classmethod
+    def from_subtask_state(cls, state: OperatorSubtaskState, where: str) -> "KeyedStateChain":
+        properties = state.properties
+        if properties.get(_P_FORMAT) != CHAIN_FORMAT:
+            raise KeyedStateFormatError(
+                f"{where}: not keyed state of format {CHAIN_FORMAT} (properties {properties})")
+        materialised = properties.get(_P_MATERIALISED)
+        if materialised not in ("true", "false") or (materialised == "true"
+                                                      and not state.handles):
+            raise KeyedStateFormatError(f"{where}: invalid {_P_MATERIALISED}={materialised!r}")
+        try:
+            key_groups = KeyGroupRange.parse(properties.get(_P_KEY_GROUPS, ""))
+        except ValueError as exc:
+            raise KeyedStateFormatError(f"{where}: {exc}") from exc
+        if materialised == "true":
+            return cls(key_groups, state.handles[0], state.handles[1:])
+        return cls(key_groups, None, state.handles)
+
+
+def chains_to_operator_state(operator_id: str, max_parallelism: int,
+                             chains: Sequence[KeyedStateChain]) -> OperatorState:
+    """The `_metadata` entry of a keyed stage: subtask ``i`` holds chain ``i``, whose range must
+    be Flink's range for operator index ``i`` at parallelism ``len(chains)``."""
+    parallelism = len(chains)
+    for index, chain in enumerate(chains):
+        expected = compute_key_group_range_for_operator_index(max_parallelism, parallelism, index)
+        if chain.key_groups != expected:
+            raise ValueError(f"keyed stage {operator_id}: chain {index} covers key groups "
+                             f"{chain.key_groups}, but subtask {index} of {parallelism} owns "
+                             f"{expected}")
+    return OperatorState(operator_id, parallelism, max_parallelism,
+                         {i: chain.to_subtask_state() for i, chain in enumerate(chains)})
+
+
+def chains_from_operator_state(state: OperatorState) -> list[KeyedStateChain]:
+    """The chains of a keyed stage's `_metadata` entry, by subtask."""
+    if state.max_parallelism is None:
+        raise KeyedStateFormatError(f"operator {state.operator_id}: keyed state needs its "
+                                    "max_parallelism recorded in _metadata")
+    chains = []
+    for index in range(state.parallelism):
+        subtask = state.subtask_states.get(index)
+        where = f"operator {state.operator_id} subtask {index}"
+        if subtask is None:
+            raise KeyedStateFormatError(f"{where}: no keyed state chain")
+        chains.append(KeyedStateChain.from_subtask_state(subtask, where))
+    return chains
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def _file_schema(layout: KeyedStateLayout, kind: str, key_groups: KeyGroupRange) -> pa.Schema:
+    fields = [field if field.name in layout.key else field.with_nullable(True)
+              for field in layout.stored_schema]
+    fields.append(pa.field(KEY_GROUP, pa.int16(), nullable=False))
+    if kind == _CHANGE:
+        fields.append(pa.field(DELETED, pa.bool_(), nullable=False))
+    return pa.schema(fields, metadata={_META_KEY: json.dumps(_identity(layout, kind,
+                                                                          key_groups))})
+
+
+def _identity(layout: KeyedStateLayout, kind: str, key_groups: KeyGroupRange) -> dict:
+    return {"kind": kind, "format": CHAIN_FORMAT, "key": list(layout.key),
+            "key_hash": layout.key_hash, "max_parallelism": layout.max_parallelism,
+            "key_groups": str(key_groups)}
+
+
+class _KeepOpen:
+    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it. After
+    ``abort`` writes go nowhere: a writer dropped on an error flushes into nothing."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.closed = False
+        self.aborted = False
+
+    def write(self, data) -> int:
+        if self.aborted:
+            return len(data)
+        return self._stream.write(data)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _write(factory: CheckpointStreamFactory, schema: pa.Schema,
+           batches: Iterable[pa.RecordBatch | pa.Table], name_prefix: str) -> StreamStateHandle:
+    stream = factory.create_checkpoint_state_output_stream(CheckpointedStateScope.SHARED,
+                                                           name_prefix)
+    sink = _KeepOpen(stream)
+    try:
+        writer = pq.ParquetWriter(sink, schema, **_PARQUET_OPTIONS)
+        for batch in batches:
+            if batch.num_rows:
+                table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+                writer.write_table(table.cast(schema), row_group_size=_ROW_GROUP_ROWS)
+        writer.close()
+        return stream.close_and_get_handle()
+    except BaseException:
+        sink.aborted = True
+        stream.close()
+        raise
+
+
+def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
+                      key_groups: KeyGroupRange, upserts: pa.Table, deletes: pa.Table,
+                      name_prefix: str = "") -> StreamStateHandle:
+    """Write one batch's ``upserts`` (stored rows) and ``deletes`` (key columns) of one key
+    group range as a SHARED-scope change file; returns its handle (inline when small)."""
+    upserts = layout.conform(upserts, "change file upserts")
+    deletes = layout.conform_keys(deletes, "change file deletes")
+    schema = _file_schema(layout, _CHANGE, key_groups)
+    parts = []
+    for rows, deleted in ((upserts, False), (deletes, True)):
+        groups = layout.key_groups_of(rows)
+        outside = (groups < key_groups.start) | (groups > key_groups.end)
+        if outside.any():
+            raise ValueError(f"change file of key groups {key_groups}: {int(outside.sum())} "
+                             f"row(s) belong to other key groups, e.g. {int(groups[outside][0])}")
+        columns = {f.name: rows.column(f.name) if f.name in rows.column_names
+                   else pa.nulls(rows.num_rows, f.type) for f in schema
+                   if f.name not in (KEY_GROUP, DELETED)}
+        columns[KEY_GROUP] = pa.array(groups, pa.int16())
+        columns[DELETED] = pa.repeat(deleted, rows.num_rows)
+        parts.append(pa.table(columns, schema=schema))
+    return _write(factory, schema, parts, name_prefix)
+
+
+def write_materialisation(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
+                          key_groups: KeyGroupRange, batches: Iterable[pa.RecordBatch],
+                          name_prefix: str = "") -> StreamStateHandle:
+    """Write the whole state of a key group range as a SHARED-scope materialisation:
+    ``batches`` of stored rows with ``_key_group``, sorted by key group, as
+    ``KeyedStateStore.sorted_batches`` yields them (checked as they stream)."""
+    schema = _file_schema(layout, _MATERIALISATION, key_groups)
+    return _write(factory, schema, _checked_sorted(batches, key_groups), name_prefix)
+
+
+def _checked_sorted(batches: Iterable[pa.RecordBatch], key_groups: KeyGroupRange):
+    previous = key_groups.start
+    for batch in batches:
+        if not batch.num_rows:
+            continue
+        if KEY_GROUP not in batch.schema.names:
+            raise ValueError(f"materialisation of key groups {key_groups}: rows need a "
+                             f"{KEY_GROUP} column (use KeyedStateStore.sorted_batches)")
+        groups = batch.column(KEY_GROUP).to_numpy()
+        if groups[0] < previous or (np.diff(groups) < 0).any() or groups[-1] > key_groups.end:
+            raise ValueError(f"materialisation of key groups {key_groups}: rows must be sorted "
+                             "by key group and inside the range (use "
+                             "KeyedStateStore.sorted_batches)")
+        previous = int(groups[-1])
+        yield batch
+
+
+def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
+          key_groups: KeyGroupRange, wanted: KeyGroupRange | None) -> pa.Table:
+    what = f"keyed state {kind} file {_describe(handle)}"
+    try:
+        with handle.open() as f:
+            data = f.read()  # verifies the handle's size and CRC-32
+        parquet = pq.ParquetFile(pa.BufferReader(data))
+        metadata = parquet.schema_arrow.metadata or {}
+        identity = json.loads(metadata[_META_KEY]) if _META_KEY in metadata else None
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{what} is missing: {exc}") from exc
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise KeyedStateFormatError(f"{what} is unreadable ({type(exc).__name__}: {exc}); "
+                                    "restore from an earlier checkpoint or a savepoint") from exc
+    expected = _identity(layout, kind, key_groups)
+    if identity != expected:
+        raise KeyedStateFormatError(f"{what} is not the {kind} of this stage's key groups "
+                                    f"{key_groups}: it says {identity}, expected {expected}")
+    filters = None
+    if wanted is not None and wanted != key_groups:
+        filters = [(KEY_GROUP, ">=", wanted.start), (KEY_GROUP, "<=", wanted.end)]
+    try:
+        table = pq.read_table(pa.BufferReader(data), filters=filters,
+                              schema=_file_schema(layout, kind, key_groups))
+    except (pa.ArrowException, ValueError) as exc:
+        raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
+                                    "checkpoint or a savepoint") from exc
+    return table
+
+
+def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
+                     key_groups: KeyGroupRange, wanted: KeyGroupRange | None = None):
+    """``(upserts, deletes)`` of a change file (the rows of ``wanted`` key groups only, if
+    given): upserts as stored rows, deletes as key columns."""
+    table = _read(handle, layout, _CHANGE, key_groups, wanted)
+    deleted = table.column(DELETED)
+    upserts = layout.conform(table.filter(pc.invert(deleted)), _describe(handle))
+    deletes = table.filter(deleted).select(list(layout.key))
+    return upserts, deletes
+
+
+def read_materialisation(handle: StreamStateHandle, layout: KeyedStateLayout,
+                         key_groups: KeyGroupRange,
+                         wanted: KeyGroupRange | None = None) -> pa.Table:
+    """The stored rows of a materialisation (of ``wanted`` key groups only, if given)."""
+    return layout.conform(_read(handle, layout, _MATERIALISATION, key_groups, wanted),
+                          _describe(handle))
+
+
+def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
+                  wanted: KeyGroupRange) -> pa.Table:
+    """The state of the ``wanted`` key groups from the chains that overlap them: each chain's
+    materialisation, then its change files in order (a later row for a key wins, a delete
+    removes it). Rescaling is this with the new task's range: chains are disjoint, so each
+    key comes from exactly one chain."""
+    key = list(layout.key)
+    parts = []
+    for chain in chains:
+        overlap = chain.key_groups.intersection(wanted)
+        if not len(overlap):
+            continue
+        state = (layout.stored_schema.empty_table() if chain.materialisation is None
+                 else read_materialisation(chain.materialisation, layout, chain.key_groups,
+                                           overlap))
+        if not chain.changes:
+            parts.append(state)
+            continue
+        changes = []
+        for sequence, change in enumerate(chain.changes):
+            table = _read(change, layout, _CHANGE, chain.key_groups, overlap)
+            changes.append(table.append_column("_sequence", pa.repeat(sequence, table.num_rows)))
+        changes = pa.concat_tables(changes)
+        # the last change per key (files in order; a key is once per file)
+        latest = changes.group_by(key, use_threads=False).aggregate([("_sequence", "max")])
+        latest = latest.rename_columns({"_sequence_max": "_sequence"})
+        latest = changes.join(latest, [*key, "_sequence"], join_type="left semi")
+        kept = state.join(latest.select(key), key, join_type="left anti")
+        upserts = latest.filter(pc.invert(latest.column(DELETED)))
+        parts.append(concat_as(layout.stored_schema, [kept, upserts]))
+    if not parts:
+        return layout.stored_schema.empty_table()
+    return pa.concat_tables(parts)
+
+
+def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange,
+                  chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
+    """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
+    holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
+    finds no store for its range, a stale one, or one it cannot read."""
+    state = replay_chains(chains, layout, key_groups)
+    remove_store(directory)
+    store = ArrowKeyedStateStore(directory, layout, key_groups)
+    store.apply(state, layout.key_schema.empty_table(), version=version)
+    return store
+
+
+def key_group_mask(layout: KeyedStateLayout, table: pa.Table,
+                   key_groups: KeyGroupRange) -> np.ndarray:
+    """Which rows of ``table`` have keys in ``key_groups``."""
+    groups = layout.key_groups_of(table)
+    return (groups >= key_groups.start) & (groups <= key_groups.end)

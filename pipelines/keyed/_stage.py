@@ -1,0 +1,227 @@
+"""The keyed stage spec: key columns, a state schema, an optional state expiry and a
+vectorised Arrow function. Nothing here needs Spark: a keyed stage's function is tested with
+plain Arrow tables."""
+
+import datetime as dt
+import enum
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = [
+    "KeyedResult",
+    "KeyedStage",
+    "StateTtl",
+    "TtlTimeCharacteristic",
+]
+
+_STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
+RESERVED_PREFIX = "_"
+"""State and key columns must not start with this: the formats add ``_key_group``,
+``_deleted`` and ``_written_at``."""
+WRITTEN_AT = "_written_at"
+"""The column a store adds for processing-time expiry: when each row was last written."""
+
+
+class TtlTimeCharacteristic(enum.Enum):
+    """Which clock expires state (Flink's ``StateTtlConfig.TtlTimeCharacteristic``)."""
+
+    EVENT_TIME = "event_time"
+    """A timestamp column of the state row (written by the stage) against the newest event
+    time seen: replaying the same batches expires the same keys."""
+    PROCESSING_TIME = "processing_time"
+    """When the row was last written, by the wall clock of the task that wrote it."""
+
+
+@dataclass(frozen=True)
+class StateTtl:
+    """State expiry (Flink's ``StateTtlConfig``): a key whose state was last updated more than
+    ``ttl`` ago is dropped from state and from checkpoints, and is never handed to ``apply``
+    again (Flink's ``NeverReturnExpired``).
+
+    With ``EVENT_TIME``, ``timestamp_column`` names a timestamp column of the state schema and
+    "now" is the newest event time the stage has seen; with ``PROCESSING_TIME`` the store
+    records each row's write time itself and ``timestamp_column`` must be None.
+    """
+
+    ttl: dt.timedelta
+    time_characteristic: TtlTimeCharacteristic = TtlTimeCharacteristic.EVENT_TIME
+    timestamp_column: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ttl, dt.timedelta) or self.ttl <= dt.timedelta(0):
+            raise ValueError(f"StateTtl: ttl must be a positive datetime.timedelta, got "
+                             f"{self.ttl!r}")
+        if not isinstance(self.time_characteristic, TtlTimeCharacteristic):
+            raise TypeError("StateTtl: time_characteristic must be a TtlTimeCharacteristic, got "
+                            f"{self.time_characteristic!r}")
+        event_time = self.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
+        if event_time and not self.timestamp_column:
+            raise ValueError("StateTtl: event-time expiry needs timestamp_column, the state "
+                             "column that holds each key's last event time")
+        if not event_time and self.timestamp_column is not None:
+            raise ValueError("StateTtl: processing-time expiry uses the write time the store "
+                             "records; leave timestamp_column None")
+
+    @property
+    def column(self) -> str:
+        """The state column expiry reads: the stage's timestamp, or ``WRITTEN_AT``."""
+        return self.timestamp_column or WRITTEN_AT
+
+    def cutoff(self, now: dt.datetime) -> dt.datetime:
+        """Rows whose ``column`` is older than this have expired at ``now``."""
+        if not isinstance(now, dt.datetime) or now.tzinfo is None:
+            raise ValueError(f"StateTtl: now must be a timezone-aware datetime, got {now!r}")
+        return now - self.ttl
+
+    def expired(self, state: pa.Table, cutoff: dt.datetime) -> pa.ChunkedArray:
+        """Which rows of ``state`` have expired at ``cutoff`` (a boolean column)."""
+        column = state.column(self.column)
+        return pc.fill_null(pc.less(column, pa.scalar(cutoff, column.type)), False)
+
+
+@dataclass(frozen=True)
+class KeyedResult:
+    """What a keyed stage's ``apply`` returns for one batch: ``upserts`` (full state rows, at
+    most one per key), ``deletes`` (the key columns of keys whose state goes) and ``output``
+    (rows for the stage's consumers). A key is either upserted or deleted, not both."""
+
+    upserts: pa.Table
+    deletes: pa.Table
+    output: pa.Table
+
+    def __post_init__(self) -> None:
+        for name in ("upserts", "deletes", "output"):
+            if not isinstance(getattr(self, name), pa.Table):
+                raise TypeError(f"KeyedResult.{name} must be a pyarrow Table, got "
+                                f"{type(getattr(self, name)).__name__}")
+
+
+Apply = Callable[[pa.Table, pa.Table], KeyedResult]
+
+
+@dataclass(frozen=True)
+class KeyedStage:
+    """A stage with keyed state, large and touched only where a batch has keys (Flink's keyed
+    state): ``apply(input, state) -> KeyedResult`` gets a batch of input rows and the current
+    state rows (``state_schema``) of the keys in it, and returns state upserts, deletes and
+    output rows. Keys the batch has that have no state are absent from ``state``.
+
+    ``key``: the key column name(s), present in both the input and ``state_schema``.
+    ``ttl``: optional state expiry. ``input``: as for ``Stage``: ``SOURCE``, an earlier
+    stage's name, or None for the previous stage's output (the source for the first stage).
+    """
+
+    name: str
+    key: str | Sequence[str]
+    state_schema: pa.Schema
+    apply: Apply
+    ttl: StateTtl | None = None
+    input: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _STAGE_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"stage name {self.name!r}: use letters, digits and '_' (it names state files "
+                "and metadata), starting with a letter"
+            )
+        where = f"keyed stage {self.name}"
+        key = (self.key,) if isinstance(self.key, str) else self.key
+        if not isinstance(key, Sequence) or not key or not all(
+                isinstance(k, str) and k for k in key):
+            raise ValueError(f"{where}: key must be a column name or a non-empty list of them, "
+                             f"got {self.key!r}")
+        key = tuple(key)
+        if len(set(key)) != len(key):
+            raise ValueError(f"{where}: key {list(key)} names a column twice")
+        object.__setattr__(self, "key", key)
+        if not isinstance(self.state_schema, pa.Schema):
+            raise TypeError(f"{where}: state_schema must be a pyarrow Schema (the state rows, "
+                            f"key columns included), got {type(self.state_schema).__name__}")
+        names = self.state_schema.names
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: state_schema has duplicate column names {names}")
+        reserved = [n for n in names if n.startswith(RESERVED_PREFIX)]
+        if reserved:
+            raise ValueError(f"{where}: state columns {reserved} start with "
+                             f"{RESERVED_PREFIX!r}, which the state formats reserve; rename them")
+        missing = [k for k in key if k not in names]
+        if missing:
+            raise ValueError(f"{where}: key column(s) {missing} are not in state_schema "
+                             f"{names}; the state rows carry their key")
+        for k in key:
+            kind = self.state_schema.field(k).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                    or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+                    or pa.types.is_integer(kind) or pa.types.is_boolean(kind)
+                    or pa.types.is_timestamp(kind) or pa.types.is_date(kind)):
+                raise ValueError(f"{where}: key column {k!r} has type {kind}; keys must be "
+                                 "strings, binaries, integers, booleans, dates or timestamps")
+        if not callable(self.apply):
+            raise TypeError(f"{where}: apply must be callable (input, state) -> KeyedResult")
+        if self.ttl is not None:
+            if not isinstance(self.ttl, StateTtl):
+                raise TypeError(f"{where}: ttl must be a StateTtl, got {self.ttl!r}")
+            column = self.ttl.timestamp_column
+            if column is not None:
+                if column not in names:
+                    raise ValueError(f"{where}: ttl timestamp_column {column!r} is not in "
+                                     f"state_schema {names}")
+                if not pa.types.is_timestamp(self.state_schema.field(column).type):
+                    raise ValueError(f"{where}: ttl timestamp_column {column!r} must be a "
+                                     "timestamp column, got "
+                                     f"{self.state_schema.field(column).type}")
+
+    def empty_state(self) -> pa.Table:
+        """A state table with no rows."""
+        return self.state_schema.empty_table()
+
+    def run(self, input: pa.Table, state: pa.Table) -> KeyedResult:
+        """Call ``apply`` and check what it returned: upserts conform to ``state_schema`` (cast
+        where Arrow can), deletes carry the key columns, no key is upserted twice or both
+        upserted and deleted. Errors name the stage and what to fix."""
+        where = f"keyed stage {self.name}"
+        result = self.apply(input, state)
+        if not isinstance(result, KeyedResult):
+            raise TypeError(f"{where}: apply returned {type(result).__name__}, expected a "
+                            "KeyedResult(upserts, deletes, output)")
+        upserts = _conform(result.upserts, self.state_schema, f"{where}: upserts")
+        key_schema = pa.schema([self.state_schema.field(k) for k in self.key])
+        deletes = _conform(result.deletes.select(
+            [k for k in self.key if k in result.deletes.column_names]), key_schema,
+            f"{where}: deletes")
+        _check_unique(upserts, self.key, f"{where}: upserts")
+        _check_unique(deletes, self.key, f"{where}: deletes")
+        if upserts.num_rows and deletes.num_rows:
+            both = upserts.select(list(self.key)).join(deletes, list(self.key), join_type="inner")
+            if both.num_rows:
+                raise ValueError(f"{where}: {both.num_rows} key(s) are both upserted and deleted "
+                                 f"in one batch, e.g. {both.slice(0, 1).to_pylist()[0]}")
+        return KeyedResult(upserts, deletes, result.output)
+
+
+def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    missing = [n for n in schema.names if n not in table.column_names]
+    if missing:
+        raise ValueError(f"{where} lack column(s) {missing}; expected {schema.names}")
+    table = table.select(schema.names)
+    if table.schema == schema:
+        return table
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+        raise ValueError(f"{where} do not fit the schema {schema}: {exc}") from exc
+
+
+def _check_unique(table: pa.Table, key: tuple[str, ...], where: str) -> None:
+    if table.num_rows < 2:
+        return
+    counts = table.group_by(list(key)).aggregate([([], "count_all")])
+    if counts.num_rows != table.num_rows:
+        twice = counts.filter(pc.greater(counts.column("count_all"), 1)).slice(0, 1)
+        example = twice.drop_columns(["count_all"]).to_pylist()[0]
+        raise ValueError(f"{where} name {table.num_rows - counts.num_rows} key(s) more than "
+                         f"once, e.g. {example}; return one row per key")

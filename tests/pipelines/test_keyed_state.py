@@ -1,0 +1,440 @@
+"""Keyed state without Spark: the local store, change files, materialisations and chains,
+checked against a plain dict model on real checkpoint storage (local disk)."""
+
+import datetime as dt
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from checkpoint_storage import (
+    CheckpointMetadata,
+    FileStateHandle,
+    FileSystemCheckpointStorage,
+    JobID,
+    StandaloneCompletedCheckpointStore,
+    load_checkpoint_metadata,
+    store_checkpoint_metadata,
+)
+from pipelines.keyed import (
+    ArrowKeyedStateStore,
+    KeyedStateChain,
+    KeyedStateFormatError,
+    KeyedStateLayout,
+    KeyGroupRange,
+    LocalStoreError,
+    StateTtl,
+    TtlTimeCharacteristic,
+    chains_from_operator_state,
+    chains_to_operator_state,
+    compute_key_group_range_for_operator_index,
+    read_change_file,
+    read_materialisation,
+    rebuild_store,
+    remove_store,
+    replay_chains,
+    write_change_file,
+    write_materialisation,
+)
+
+SCHEMA = pa.schema([("user", pa.string()), ("clicks", pa.int64()),
+                    ("seen", pa.timestamp("us", "UTC"))])
+MAX_PARALLELISM = 8
+LAYOUT = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM)
+ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
+T0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
+NO_KEYS = pa.table({"user": pa.array([], pa.string())})
+
+
+class Job:
+    """A checkpoint storage job on local disk and a stream factory of its checkpoint 1."""
+
+    def __init__(self, root: Path) -> None:
+        # threshold 0: every state stream becomes a file in shared/, as large state would
+        storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
+                                              file_state_size_threshold=0)
+        self.access = storage.create_checkpoint_storage(JobID.generate())
+        self.access.initialize_base_locations()
+        self.location = self.access.initialize_location_for_checkpoint(1)
+        self.factory = self.access.resolve_checkpoint_storage_location(
+            1, self.location.location_reference)
+
+
+@pytest.fixture
+def job(tmp_path) -> Job:
+    return Job(tmp_path)
+
+
+def rows(model: dict[str, int]) -> pa.Table:
+    keys = sorted(model)
+    return pa.table({"user": keys, "clicks": [model[k] for k in keys],
+                     "seen": [T0 + dt.timedelta(seconds=model[k]) for k in keys]}, schema=SCHEMA)
+
+
+def as_model(table: pa.Table) -> dict[str, int]:
+    users, clicks = table.column("user").to_pylist(), table.column("clicks").to_pylist()
+    assert len(set(users)) == len(users), "a key is in the state twice"
+    return dict(zip(users, clicks, strict=True))
+
+
+def deletes(keys) -> pa.Table:
+    return pa.table({"user": pa.array(sorted(keys), pa.string())})
+
+
+def store_state(store) -> dict[str, int]:
+    return as_model(pa.Table.from_batches(list(store.sorted_batches()), store.layout.stored_schema
+                                          .append(pa.field("_key_group", pa.int16()))))
+
+
+USERS = [f"user_{i}" for i in range(40)]
+BATCH = st.tuples(st.dictionaries(st.sampled_from(USERS), st.integers(0, 10**6), max_size=15),
+                  st.sets(st.sampled_from(USERS), max_size=6))
+BATCHES = st.lists(BATCH.map(lambda b: (b[0], b[1] - b[0].keys())), min_size=1, max_size=12)
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(BATCHES, st.integers(0, 11))
+def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
+    """For any sequence of batches of upserts and deletes: the store (merging its delta
+    often), the store reopened from disk, and the replay of a materialisation plus the change
+    files since, all hold what a dict holds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(Path(tmp))
+        store = ArrowKeyedStateStore(Path(tmp) / "store", LAYOUT, ALL, merge_ratio=0.5,
+                                     min_merge_rows=5)
+        model: dict[str, int] = {}
+        chain = KeyedStateChain(ALL, None)
+        for number, (upserts, doomed) in enumerate(batches):
+            model.update(upserts)
+            for key in doomed:
+                model.pop(key, None)
+            store.apply(rows(upserts), deletes(doomed), version=str(number))
+            chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL, rows(upserts),
+                                                     deletes(doomed)))
+            if number == materialise_after:
+                chain = KeyedStateChain(ALL, write_materialisation(
+                    job.factory, LAYOUT, ALL, store.sorted_batches()))
+            asked = store.get(pa.table({"user": USERS}))
+            assert model == as_model(asked)
+        store.close()
+        reopened = ArrowKeyedStateStore(Path(tmp) / "store", LAYOUT, ALL)
+
+        assert model == store_state(reopened)
+        assert str(len(batches) - 1) == reopened.version
+        assert model == as_model(replay_chains([chain], LAYOUT, ALL))
+
+
+@settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.integers(0, 99), max_size=200),
+       st.lists(BATCH, max_size=3))
+def test_rescaling_2_to_3_to_2_loses_and_duplicates_nothing(initial, batches):
+    """State written by 2 tasks (materialisation + change files), restored by 3 (each reads
+    its range from the overlapping chains), checkpointed by those 3, restored by 2 again: the
+    union of the tasks' states equals the model, each key in exactly one task."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Job(Path(tmp))
+        model = dict(initial)
+        everything = rows(model)
+        changes = []
+        for upserts, doomed in batches:
+            doomed = doomed - upserts.keys()
+            model.update(upserts)
+            for key in doomed:
+                model.pop(key, None)
+            changes.append((rows(upserts), deletes(doomed)))
+
+        def split(table: pa.Table, parallelism: int) -> list[pa.Table]:
+            groups = LAYOUT.key_groups_of(table)
+            ranges = [compute_key_group_range_for_operator_index(MAX_PARALLELISM, parallelism,
+                                                                 i) for i in range(parallelism)]
+            return [table.filter(pa.array((groups >= r.start) & (groups <= r.end)))
+                    for r in ranges]
+
+        def write_chains(state: list[pa.Table], with_changes: bool) -> list[KeyedStateChain]:
+            chains = []
+            for index, part in enumerate(state):
+                key_groups = compute_key_group_range_for_operator_index(
+                    MAX_PARALLELISM, len(state), index)
+                store = ArrowKeyedStateStore(Path(tmp) / f"store-{len(state)}-{index}",
+                                             LAYOUT, key_groups)
+                store.apply(part, NO_KEYS)
+                chain = KeyedStateChain(key_groups, write_materialisation(
+                    job.factory, LAYOUT, key_groups, store.sorted_batches()))
+                for upserts, doomed in changes if with_changes else ():
+                    u, d = split(upserts, len(state))[index], split(doomed, len(state))[index]
+                    chain = chain.appended(write_change_file(job.factory, LAYOUT, key_groups,
+                                                             u, d))
+                chains.append(chain)
+            return chains
+
+        def restore(chains: list[KeyedStateChain], parallelism: int) -> list[pa.Table]:
+            return [replay_chains(chains, LAYOUT, compute_key_group_range_for_operator_index(
+                MAX_PARALLELISM, parallelism, i)) for i in range(parallelism)]
+
+        at_two = write_chains(split(everything, 2), with_changes=True)
+        at_three = restore(at_two, 3)
+        back_at_two = restore(write_chains(at_three, with_changes=False), 2)
+
+        assert model == as_model(pa.concat_tables(at_three))
+        assert model == as_model(pa.concat_tables(back_at_two))
+
+
+def test_change_file_round_trips_upserts_and_deletes(job):
+    """What a change file holds reads back as written: full upsert rows, deleted keys."""
+    upserts = rows({"a": 1, "b": 2})
+    handle = write_change_file(job.factory, LAYOUT, ALL, upserts, deletes({"c"}))
+
+    read_upserts, read_deletes = read_change_file(handle, LAYOUT, ALL)
+
+    assert upserts.to_pylist() == read_upserts.sort_by("user").to_pylist()
+    assert [{"user": "c"}] == read_deletes.to_pylist()
+    assert job.access.shared_state_directory in handle.path
+
+
+def test_materialisation_is_sorted_by_key_group_and_readable_as_parquet(job, tmp_path):
+    """A materialisation is plain Parquet sorted by key group, and a reader of a narrower
+    range gets only that range's rows."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    store.apply(rows({f"u{i}": i for i in range(200)}), NO_KEYS)
+    handle = write_materialisation(job.factory, LAYOUT, ALL, store.sorted_batches())
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(handle.path)
+    groups = table.column("_key_group").to_pylist()
+    half = KeyGroupRange(0, 3)
+    expected = {k: v for k, v in as_model(table).items()
+                if LAYOUT.key_groups_of(pa.table({"user": [k]}))[0] <= 3}
+
+    assert sorted(groups) == groups
+    assert expected == as_model(read_materialisation(handle, LAYOUT, ALL, half))
+
+
+def test_chains_round_trip_through_metadata(job):
+    """Chains stored as an operator state in a completed checkpoint's `_metadata` load back
+    equal, with the max parallelism recorded."""
+    chains = []
+    for index in range(2):
+        key_groups = compute_key_group_range_for_operator_index(MAX_PARALLELISM, 2, index)
+        chain = KeyedStateChain(key_groups, None if index else write_materialisation(
+            job.factory, LAYOUT, key_groups, []))
+        chains.append(chain.appended(write_change_file(job.factory, LAYOUT, key_groups,
+                                                       SCHEMA.empty_table(), NO_KEYS)))
+    operator = chains_to_operator_state("clicks", MAX_PARALLELISM, chains)
+    out = job.location.create_metadata_output_stream()
+    store_checkpoint_metadata(CheckpointMetadata(1, (operator,)), out)
+    completed = out.close_and_finalize_checkpoint()
+
+    loaded = load_checkpoint_metadata(job.access.resolve_checkpoint(completed.external_pointer))
+
+    assert MAX_PARALLELISM == loaded.operator_states[0].max_parallelism
+    assert chains == chains_from_operator_state(loaded.operator_states[0])
+
+
+def test_chains_refuse_ranges_that_are_not_the_subtasks(job):
+    """Chain i must cover subtask i's key groups, else the operator state is refused."""
+    with pytest.raises(ValueError, match="chain 0 covers key groups 0-7, but subtask 0 of 2"):
+        chains_to_operator_state("clicks", MAX_PARALLELISM,
+                                 [KeyedStateChain(ALL, None), KeyedStateChain(ALL, None)])
+
+
+def test_corrupted_change_file_is_refused_naming_the_file(job):
+    """A change file whose bytes changed on storage is refused with an error naming it."""
+    handle = write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS)
+    data = bytearray(Path(handle.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(handle.path).write_bytes(bytes(data))
+
+    with pytest.raises(KeyedStateFormatError, match=f"change file {handle.path} is unreadable"):
+        replay_chains([KeyedStateChain(ALL, None, (handle,))], LAYOUT, ALL)
+
+
+def test_a_file_of_another_kind_or_range_is_refused(job):
+    """A materialisation read as a change file, or a file of other key groups, is refused
+    naming the file and what it says it is."""
+    handle = write_materialisation(job.factory, LAYOUT, ALL, [])
+    other = write_change_file(job.factory, LAYOUT, KeyGroupRange(0, 3), SCHEMA.empty_table(),
+                              NO_KEYS)
+
+    with pytest.raises(KeyedStateFormatError, match=f"{handle.path} is not the change"):
+        read_change_file(handle, LAYOUT, ALL)
+    with pytest.raises(KeyedStateFormatError, match=f"{other.path} is not the change"):
+        read_change_file(other, LAYOUT, ALL)
+
+
+def test_a_missing_change_file_names_it(job):
+    """A change file deleted from storage is a FileNotFoundError naming it."""
+    handle = write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS)
+    Path(handle.path).unlink()
+
+    with pytest.raises(FileNotFoundError, match=handle.path):
+        read_change_file(handle, LAYOUT, ALL)
+
+
+def test_store_refuses_keys_of_other_key_groups(tmp_path):
+    """A task's store takes only its range's keys: others mean rows were routed wrongly."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, KeyGroupRange(0, 0))
+    many = rows({f"u{i}": i for i in range(50)})
+
+    with pytest.raises(ValueError, match="key\\(s\\) of other key groups"):
+        store.apply(many, NO_KEYS)
+
+
+def test_store_of_another_layout_or_range_is_refused(tmp_path):
+    """Opening a store directory with another range or schema is a LocalStoreError (the
+    caller rebuilds), and the directory is left as it was."""
+    ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL).apply(rows({"a": 1}), NO_KEYS)
+    other = KeyedStateLayout(("user",), SCHEMA.append(pa.field("x", pa.int8())),
+                             MAX_PARALLELISM)
+
+    with pytest.raises(LocalStoreError, match="schema differ"):
+        ArrowKeyedStateStore(tmp_path / "store", other, ALL)
+    with pytest.raises(LocalStoreError, match="key_groups differ"):
+        ArrowKeyedStateStore(tmp_path / "store", LAYOUT, KeyGroupRange(0, 3))
+    assert {"a": 1} == store_state(ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL))
+
+
+def test_store_ignores_files_its_manifest_does_not_name(tmp_path):
+    """A delta file written before a crash but never recorded in the manifest is not state:
+    reopening drops it."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    store.apply(rows({"a": 1}), NO_KEYS)
+    manifest = (tmp_path / "store" / "MANIFEST.json").read_text()
+    store.apply(rows({"b": 2}), NO_KEYS)
+    (tmp_path / "store" / "MANIFEST.json").write_text(manifest)  # as if the crash came first
+
+    reopened = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+
+    assert {"a": 1} == store_state(reopened)
+    assert 2 == len(list((tmp_path / "store").iterdir()))  # the manifest and one delta
+
+
+def test_event_time_expiry_hides_and_drops_expired_keys(tmp_path):
+    """With a TTL, ``get`` never returns expired state, and ``drop_expired`` removes it and
+    returns its keys for the change file."""
+    layout = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM,
+                              StateTtl(dt.timedelta(seconds=10), timestamp_column="seen"))
+    store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL)
+    store.apply(rows({"old": 1, "new": 100}), NO_KEYS)
+    cutoff = layout.ttl.cutoff(T0 + dt.timedelta(seconds=50))
+
+    visible = store.get(pa.table({"user": ["old", "new"]}), cutoff=cutoff)
+    dropped = store.drop_expired(cutoff)
+
+    assert {"new": 100} == as_model(visible)
+    assert [{"user": "old"}] == dropped.to_pylist()
+    assert {"new": 100} == store_state(store)
+
+
+def test_processing_time_expiry_keeps_the_write_time_as_state(tmp_path, job):
+    """Under processing-time expiry the write time is a stored column: it goes into change
+    files, so a restore expires exactly what the store would."""
+    layout = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM,
+                              StateTtl(dt.timedelta(minutes=1),
+                                       TtlTimeCharacteristic.PROCESSING_TIME))
+    stamped = layout.stamp(rows({"a": 1}), T0)
+    handle = write_change_file(job.factory, layout, ALL, stamped, NO_KEYS)
+    restored = replay_chains([KeyedStateChain(ALL, None, (handle,))], layout, ALL)
+
+    assert [T0] == restored.column("_written_at").to_pylist()
+    assert [True] == layout.ttl.expired(restored, layout.ttl.cutoff(
+        T0 + dt.timedelta(minutes=2))).to_pylist()
+
+
+def test_shared_files_are_file_handles_for_the_registry(job):
+    """Change files and materialisations are file handles in the job's shared/ directory,
+    the kind the shared-state registry counts references of."""
+    handles = [write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS),
+               write_materialisation(job.factory, LAYOUT, ALL, [])]
+
+    assert [True, True] == [isinstance(h, FileStateHandle) for h in handles]
+    assert [job.access.shared_state_directory] * 2 == [h.path.rsplit("/", 1)[0]
+                                                      for h in handles]
+
+
+def test_many_batches_replay_like_applying_them(job, tmp_path):
+    """Fifty batches replayed from their change files equal the store that applied them."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL, min_merge_rows=10)
+    chain = KeyedStateChain(ALL, None)
+    everyone = USERS * 5
+    for number, users in enumerate(everyone[i:i + 4] for i in range(0, len(everyone), 4)):
+        upserts = rows({u: number for u in users})
+        store.apply(upserts, NO_KEYS)
+        chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL, upserts, NO_KEYS))
+
+    assert store_state(store) == as_model(replay_chains([chain], LAYOUT, ALL))
+
+
+def test_not_null_state_columns_keep_their_schema(job, tmp_path):
+    """A state schema with not-null columns comes back with that schema from the store, a
+    change file and a replay, deletes included."""
+    schema = pa.schema([pa.field("k", pa.int64(), nullable=False),
+                        pa.field("v", pa.string(), nullable=False)])
+    layout = KeyedStateLayout(("k",), schema, MAX_PARALLELISM)
+    upserts, doomed = pa.table({"k": [1, 2], "v": ["a", "b"]}, schema=schema), pa.table(
+        {"k": [3]})
+    store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL)
+    store.apply(upserts, doomed)
+    handle = write_change_file(job.factory, layout, ALL, upserts, doomed)
+
+    assert [schema] * 3 == [store.get(pa.table({"k": [1, 3]})).schema,
+                            read_change_file(handle, layout, ALL)[0].schema,
+                            replay_chains([KeyedStateChain(ALL, None, (handle,))], layout,
+                                          ALL).schema]
+
+
+def test_rebuild_replaces_a_stale_store_with_the_chains_state(job, tmp_path):
+    """A task with a stale store rebuilds it from the chain: the old rows are gone, the
+    chain's are there, and the store says which version it holds."""
+    stale = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    stale.apply(rows({"gone": 1}), NO_KEYS, version="3")
+    stale.close()
+    chain = KeyedStateChain(ALL, None, (write_change_file(job.factory, LAYOUT, ALL,
+                                                          rows({"a": 1}), NO_KEYS),))
+
+    store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], version="7")
+
+    assert ({"a": 1}, "7") == (store_state(store), store.version)
+
+
+def test_a_directory_that_is_not_a_store_is_never_deleted(tmp_path):
+    """A store pointed at a directory with other files refuses to open or be removed, and
+    the files stay."""
+    (tmp_path / "notes.txt").write_text("mine")
+
+    with pytest.raises(LocalStoreError, match="not empty and holds no local store"):
+        ArrowKeyedStateStore(tmp_path, LAYOUT, ALL)
+    with pytest.raises(LocalStoreError, match="refusing to delete it"):
+        remove_store(tmp_path)
+    assert "mine" == (tmp_path / "notes.txt").read_text()
+
+
+def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_them(job):
+    """Retaining one checkpoint: change files stay while the latest chain references them,
+    and go once a materialisation starts a new chain and the old checkpoint is subsumed."""
+    retained = StandaloneCompletedCheckpointStore(max_retained=1)
+    chain = KeyedStateChain(ALL, None)
+    written = []
+    for checkpoint_id in (1, 2, 3):
+        location = (job.location if checkpoint_id == 1
+                    else job.access.initialize_location_for_checkpoint(checkpoint_id))
+        factory = job.access.resolve_checkpoint_storage_location(
+            checkpoint_id, location.location_reference)
+        if checkpoint_id < 3:
+            handle = write_change_file(factory, LAYOUT, ALL, rows({"a": checkpoint_id}), NO_KEYS)
+            chain = chain.appended(handle)
+        else:
+            handle = write_materialisation(factory, LAYOUT, ALL, [])
+            chain = KeyedStateChain(ALL, handle)
+        written.append(Path(handle.path))
+        out = location.create_metadata_output_stream()
+        operator = chains_to_operator_state("clicks", MAX_PARALLELISM, [chain])
+        store_checkpoint_metadata(CheckpointMetadata(checkpoint_id, (operator,)), out)
+        retained.add_checkpoint(out.close_and_finalize_checkpoint())
+        retained.shared_state_registry.wait_for_pending_deletions()
+        if checkpoint_id == 2:
+            assert [True, True] == [p.exists() for p in written]
+
+    assert [False, False, True] == [p.exists() for p in written]

@@ -5,6 +5,7 @@ vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
 ``compute_key_group_range_for_operator_index``); each task keeps its range in a local
 ``KeyedStateStore`` and writes its changes per batch as SHARED-scope change files;
 ``KeyedStateChain`` records, per range, the latest materialisation and the change files since.
+``apply_keyed_batch`` and ``materialise_keyed_state`` run a keyed stage on Spark executors.
 See docs/design.md, "Keyed state".
 """
 
@@ -32,6 +33,20 @@ from pipelines.keyed._key_groups import (
     hash_keys,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
+from pipelines.keyed._spark import (
+    OPERATOR_INDEX,
+    ChainRef,
+    KeyedBatch,
+    KeyedRangeResult,
+    KeyedStageTask,
+    MaterialisationPolicy,
+    apply_keyed_batch,
+    chain_version,
+    extend_chains,
+    local_store_directory,
+    materialise_keyed_state,
+    ranges_to_materialise,
+)
 from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
 from pipelines.keyed._store import (
     ArrowKeyedStateStore,
@@ -45,24 +60,36 @@ __all__ = [
     "DEFAULT_MAX_PARALLELISM",
     "KEY_GROUP",
     "KEY_HASH",
+    "OPERATOR_INDEX",
     "UPPER_BOUND_MAX_PARALLELISM",
     "ArrowKeyedStateStore",
+    "ChainRef",
+    "KeyedBatch",
+    "KeyedRangeResult",
     "KeyGroupRange",
     "KeyedResult",
     "KeyedStage",
+    "KeyedStageTask",
     "KeyedStateChain",
     "KeyedStateFormatError",
     "KeyedStateLayout",
     "KeyedStateStore",
     "LocalStoreError",
+    "MaterialisationPolicy",
     "StateTtl",
     "TtlTimeCharacteristic",
+    "apply_keyed_batch",
     "assign_key_groups",
+    "chain_version",
     "chains_from_operator_state",
     "chains_to_operator_state",
     "compute_key_group_range_for_operator_index",
     "compute_operator_index_for_key_group",
+    "extend_chains",
     "hash_keys",
+    "local_store_directory",
+    "materialise_keyed_state",
+    "ranges_to_materialise",
     "read_change_file",
     "read_materialisation",
     "rebuild_store",

@@ -1,0 +1,536 @@
+"""The Spark side of a keyed stage: what runs on the executors for one batch, and the driver's
+bookkeeping of the chains (docs/design.md, "Keyed state", 7.5).
+
+Rows reach their key group range by ``groupBy(<operator index>).applyInArrow``: one call per
+range and batch, whichever task or executor runs it, so correctness never depends on
+placement. Each call is shipped its range's chain as of the last completed checkpoint; the
+local store is a cache of that chain, and its ``version`` names the chain it holds (a digest of
+the chain's handles). A store holding anything else (none, stale, another attempt's or another
+executor's result) is rebuilt from the chain first, so an attempt that runs twice applies the
+batch once to the state that was checkpointed. One result schema carries the output rows (Arrow
+IPC bytes) and the range's change-file handle, so the stage's function runs once per range.
+
+Only plain, picklable values travel to executors: the ``CheckpointStorage`` config, ids, the
+location reference, the stage (its function pickled by cloudpickle, as Spark does) and the
+chains as ``StateHandleRef`` values.
+"""
+
+import datetime as dt
+import fcntl
+import hashlib
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+from pyspark import StorageLevel, TaskContext
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+
+from checkpoint_storage import (
+    CheckpointStorage,
+    CheckpointStorageLocationReference,
+    StreamStateHandle,
+)
+from pipelines._handles import StateHandleRef
+from pipelines.keyed._chain import (
+    KeyedStateChain,
+    rebuild_store,
+    write_change_file,
+    write_materialisation,
+)
+from pipelines.keyed._key_groups import (
+    KeyGroupRange,
+    compute_key_group_range_for_operator_index,
+    hash_keys,
+)
+from pipelines.keyed._layout import KeyedStateLayout
+from pipelines.keyed._stage import KeyedStage
+from pipelines.keyed._store import ArrowKeyedStateStore, LocalStoreError
+
+__all__ = [
+    "OPERATOR_INDEX",
+    "ChainRef",
+    "KeyedBatch",
+    "KeyedRangeResult",
+    "KeyedStageTask",
+    "MaterialisationPolicy",
+    "apply_keyed_batch",
+    "chain_version",
+    "extend_chains",
+    "local_store_directory",
+    "materialise_keyed_state",
+    "ranges_to_materialise",
+]
+
+OPERATOR_INDEX = "_operator_index"
+"""The column ``apply_keyed_batch`` adds to route rows: the task (range) that owns each key."""
+
+_OUTPUT = "output"
+_CHANGE = "change"
+_MATERIALISATION = "materialisation"
+_OUTPUT_ROWS_PER_PAYLOAD = 1 << 16
+_RESULT_SCHEMA = pa.schema([
+    ("row_kind", pa.string()),  # "output" (payload) or "change"/"materialisation" (handle)
+    ("operator_index", pa.int32()),
+    ("attempt", pa.int32()),
+    ("payload", pa.binary()),  # output rows as one Arrow IPC stream
+    ("input_rows", pa.int64()),
+    ("rows", pa.int64()),  # rows in the written file
+    ("rebuilt", pa.bool_()),
+    ("rebuild_rows", pa.int64()),
+    ("rebuild_seconds", pa.float64()),
+    *[(f.name, t) for f, t in zip(fields(StateHandleRef), (
+        pa.string(), pa.string(), pa.int64(), pa.int64(), pa.binary(), pa.string(), pa.int64(),
+        pa.string(), pa.string()), strict=True)],
+])
+_HANDLE_KIND = "handle_kind"  # StateHandleRef.kind, renamed: "kind" would read as the row's
+_RESULT_SCHEMA = _RESULT_SCHEMA.set(
+    _RESULT_SCHEMA.get_field_index("kind"), pa.field(_HANDLE_KIND, pa.string()))
+
+
+# --- what travels to executors --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChainRef:
+    """A ``KeyedStateChain`` as plain values (``StateHandleRef``s), to ship to executors."""
+
+    start: int
+    end: int
+    materialisation: StateHandleRef | None
+    changes: tuple[StateHandleRef, ...] = ()
+
+    @classmethod
+    def of(cls, chain: KeyedStateChain) -> "ChainRef":
+        return cls(chain.key_groups.start, chain.key_groups.end,
+                   None if chain.materialisation is None
+                   else StateHandleRef.of(chain.materialisation),
+                   tuple(StateHandleRef.of(h) for h in chain.changes))
+
+    @property
+    def key_groups(self) -> KeyGroupRange:
+        return KeyGroupRange(self.start, self.end)
+
+    def chain(self, storage_options: Mapping | None) -> KeyedStateChain:
+        return KeyedStateChain(
+            self.key_groups,
+            None if self.materialisation is None else self.materialisation.handle(
+                storage_options),
+            tuple(h.handle(storage_options) for h in self.changes))
+
+
+def _handle_identity(ref: StateHandleRef) -> str:
+    return f"{ref.kind}:{ref.path}:{ref.start}:{ref.size}"
+
+
+def chain_version(key_groups: KeyGroupRange, chains: Sequence[KeyedStateChain]) -> str:
+    """The local store ``version`` of a range holding exactly the state of ``chains``: a digest
+    of the range and the chains' handles, so a store that applied another attempt's change
+    file, or a stale one, never passes for the checkpointed state."""
+    digest = hashlib.sha256(str(key_groups).encode())
+    for chain in chains:
+        ref = ChainRef.of(chain)
+        digest.update(f"|{ref.start}-{ref.end}".encode())
+        for handle in (ref.materialisation, *ref.changes):
+            digest.update(b"|" + (b"-" if handle is None
+                                  else _handle_identity(handle).encode()))
+    return "chain-" + digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class KeyedStageTask:
+    """Everything an executor needs to run one batch of one keyed stage, or to materialise
+    its ranges: the checkpoint to write into, the stage, the layout and the chains as of the
+    last completed checkpoint.
+
+    ``chains``: for a batch, chain ``i`` is range ``i`` of ``parallelism`` (Flink's ranges);
+    for a materialisation any chains covering all key groups (e.g. another parallelism's:
+    that is rescaling). ``now``: the batch's time for state expiry (processing-time stamps and
+    the cutoff); None when the stage has no ``ttl``. ``local_dir``: the base directory of the
+    local stores on each executor (None: the executor's temp directory)."""
+
+    storage: CheckpointStorage
+    job_id: str
+    checkpoint_id: int
+    reference: CheckpointStorageLocationReference
+    stage: KeyedStage
+    output_schema: pa.Schema
+    max_parallelism: int
+    parallelism: int
+    chains: tuple[ChainRef, ...]
+    batch: int
+    now: dt.datetime | None = None
+    local_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chains", tuple(
+            c if isinstance(c, ChainRef) else ChainRef.of(c) for c in self.chains))
+        where = f"keyed stage {self.stage.name}"
+        compute_key_group_range_for_operator_index(self.max_parallelism, self.parallelism, 0)
+        covered = sorted((c.start, c.end) for c in self.chains)
+        expected, position = [], 0
+        for start, end in covered:
+            if start != position:
+                break
+            expected.append((start, end))
+            position = end + 1
+        if position != self.max_parallelism or len(expected) != len(covered):
+            raise ValueError(f"{where}: the chains {[f'{s}-{e}' for s, e in covered]} must cover "
+                             f"key groups 0-{self.max_parallelism - 1} once each; pass the "
+                             "chains of the last completed checkpoint")
+        if self.stage.ttl is not None and (self.now is None or self.now.tzinfo is None):
+            raise ValueError(f"{where}: a stage with ttl needs the task's now (a timezone-aware "
+                             "datetime: the batch's time)")
+
+    @property
+    def layout(self) -> KeyedStateLayout:
+        return KeyedStateLayout.of(self.stage, self.max_parallelism)
+
+    def key_groups(self, operator_index: int) -> KeyGroupRange:
+        return compute_key_group_range_for_operator_index(self.max_parallelism,
+                                                          self.parallelism, operator_index)
+
+    def is_aligned(self) -> bool:
+        """Whether chain ``i`` is range ``i`` of ``parallelism`` (a batch needs it)."""
+        return len(self.chains) == self.parallelism and all(
+            c.key_groups == self.key_groups(i) for i, c in enumerate(self.chains))
+
+    def sources(self, key_groups: KeyGroupRange) -> list[KeyedStateChain]:
+        """The chains holding the state of ``key_groups`` (several after a rescale)."""
+        options = self.storage.storage_options
+        return [c.chain(options) for c in self.chains if len(c.key_groups.intersection(
+            key_groups))]
+
+
+def local_store_directory(task: KeyedStageTask, key_groups: KeyGroupRange) -> Path:
+    """Where an executor keeps the local store of one range: per job, stage and range."""
+    base = Path(task.local_dir or tempfile.gettempdir())
+    return (base / "pipelines-keyed" / task.job_id / task.stage.name
+            / f"m{task.max_parallelism}-kg{key_groups.start}-{key_groups.end}")
+
+
+# --- on executors ---------------------------------------------------------------------------
+
+class _Locked:
+    """An exclusive lock on a range's store directory, so two tasks of one executor (e.g. a
+    speculative attempt) never write the same store at once."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(directory.with_name(directory.name + ".lock"), "w")  # noqa: SIM115
+
+    def __enter__(self):
+        fcntl.flock(self._file, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+
+
+def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
+                  stats: dict) -> ArrowKeyedStateStore:
+    """The range's local store holding exactly the shipped chains' state, rebuilt if not."""
+    layout, sources = task.layout, task.sources(key_groups)
+    version = chain_version(key_groups, sources)
+    try:
+        store = ArrowKeyedStateStore(directory, layout, key_groups)
+        if store.version == version:
+            return store
+        store.close()
+    except LocalStoreError:
+        pass
+    started = time.perf_counter()
+    store = rebuild_store(directory, layout, key_groups, sources, version)
+    stats.update(rebuilt=True, rebuild_rows=store.num_rows,
+                 rebuild_seconds=time.perf_counter() - started)
+    return store
+
+
+def _context() -> tuple[int, int]:
+    context = TaskContext.get()
+    return (context.partitionId(), context.attemptNumber()) if context else (0, 0)
+
+
+def _handle_row(kind: str, operator_index: int, attempt: int, handle: StreamStateHandle,
+                rows: int, stats: dict) -> dict:
+    ref = asdict(StateHandleRef.of(handle))
+    ref[_HANDLE_KIND] = ref.pop("kind")
+    return {"row_kind": kind, "operator_index": operator_index, "attempt": attempt,
+            "rows": rows, **stats, **ref}
+
+
+def _operator_indices(task: KeyedStageTask,
+                      batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: each row's owning range, from the stable key hash."""
+    key = task.stage.key
+    for batch in batches:
+        groups = hash_keys(pa.Table.from_batches([batch]), key) % task.max_parallelism
+        # Flink's compute_operator_index_for_key_group, vectorised
+        indices = (groups.astype("int64") * task.parallelism // task.max_parallelism)
+        yield batch.append_column(OPERATOR_INDEX, pa.array(indices.astype("int32")))
+
+
+def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table:
+    """``applyInArrow`` body for one range and batch: bring the local store to the shipped
+    chain, run the stage, write the change file, apply the changes to the store; return the
+    output rows (IPC payloads) and one handle row."""
+    operator_index = group_key[0].as_py()
+    key_groups = task.key_groups(operator_index)
+    layout, stage = task.layout, task.stage
+    _, attempt = _context()
+    stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
+             "input_rows": table.num_rows}
+    table = table.drop_columns([OPERATOR_INDEX])
+    directory = local_store_directory(task, key_groups)
+    cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
+    with _Locked(directory):
+        store = _open_current(task, key_groups, directory, stats)
+        try:
+            state = store.get(table.select(list(stage.key)), cutoff=cutoff)
+            if layout.processing_time_ttl:
+                state = state.drop_columns(["_written_at"])
+            result = stage.run(table, state)
+            upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
+            access = task.storage.create_checkpoint_storage(task.job_id)
+            factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                                 task.reference)
+            change = write_change_file(
+                factory, layout, key_groups, upserts, result.deletes,
+                f"{stage.name}-kg{key_groups.start}-{key_groups.end}-b{task.batch}-a{attempt}-")
+            (chain,) = task.sources(key_groups)
+            store.apply(upserts, result.deletes,
+                        version=chain_version(key_groups, [chain.appended(change)]))
+        finally:
+            store.close()
+    output = _conform_output(result.output, task)
+    rows = [_handle_row(_CHANGE, operator_index, attempt, change,
+                        upserts.num_rows + result.deletes.num_rows, stats)]
+    for batch in output.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
+        sink = pa.BufferOutputStream()
+        with ipc.new_stream(sink, output.schema) as writer:
+            writer.write_batch(batch)
+        rows.append({"row_kind": _OUTPUT, "operator_index": operator_index,
+                     "attempt": attempt, "payload": sink.getvalue().to_pybytes()})
+    return pa.Table.from_pylist(rows, schema=_RESULT_SCHEMA)
+
+
+def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as Spark hands it back (timestamps in UTC), so decoded rows fit exactly."""
+    return to_arrow_schema(from_arrow_schema(schema, prefer_timestamp_ntz=False),
+                           timezone="UTC")
+
+
+def _conform_output(output: pa.Table, task: KeyedStageTask) -> pa.Table:
+    target = _spark_arrow_schema(task.output_schema)
+    missing = [n for n in target.names if n not in output.column_names]
+    if missing:
+        raise ValueError(f"keyed stage {task.stage.name}: output lacks column(s) {missing}; "
+                         f"the task's output_schema is {task.output_schema.names}")
+    try:
+        return output.select(target.names).cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+        raise ValueError(f"keyed stage {task.stage.name}: output does not fit the output "
+                         f"schema {task.output_schema}: {exc}") from exc
+
+
+def _decode_output(schema: pa.Schema,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: the output rows of the payloads."""
+    for batch in batches:
+        for payload in batch.column("payload").to_pylist():
+            for rows in ipc.open_stream(pa.py_buffer(payload)):
+                yield rows if rows.schema == schema else rows.cast(schema)
+
+
+# --- on the driver --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KeyedRangeResult:
+    """What one range's task wrote for a batch (or a materialisation): the handle of its change
+    file (or snapshot), its rows, and whether the local store had to be rebuilt first."""
+
+    operator_index: int
+    key_groups: KeyGroupRange
+    handle: StreamStateHandle
+    kind: str  # "change" or "materialisation"
+    attempt: int
+    rows: int
+    input_rows: int
+    rebuilt: bool
+    rebuild_rows: int
+    rebuild_seconds: float
+
+
+@dataclass(frozen=True)
+class KeyedBatch:
+    """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
+    read from ``cached``), the ranges' results, and the persisted pass both come from; call
+    ``release()`` once the output is consumed."""
+
+    output: DataFrame
+    ranges: list[KeyedRangeResult]
+    cached: DataFrame = field(repr=False)
+
+    def release(self) -> None:
+        self.cached.unpersist()
+
+
+def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
+    options = task.storage.storage_options
+    results = {}
+    for row in rows:
+        row = row.asDict()
+        ref = {f.name: row[_HANDLE_KIND if f.name == "kind" else f.name]
+               for f in fields(StateHandleRef)}
+        index = row["operator_index"]
+        results[index] = KeyedRangeResult(
+            index, task.key_groups(index), StateHandleRef(**ref).handle(options),
+            row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
+            bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0)
+    return [results[i] for i in sorted(results)]
+
+
+def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
+    """Run one batch of a keyed stage: route rows to their range by key group, run the stage
+    once per range that has rows (``groupBy(operator index).applyInArrow``), write each
+    range's change file; returns the output and one ``KeyedRangeResult`` per range with rows.
+    ``task.chains`` must be range ``i`` of ``task.parallelism`` each: after a change of
+    parallelism, ``materialise_keyed_state`` the new ranges first."""
+    if not task.is_aligned():
+        raise ValueError(f"keyed stage {task.stage.name}: the chains are not the ranges of "
+                         f"parallelism {task.parallelism} (rescaled?); materialise the new "
+                         "ranges with materialise_keyed_state first")
+    missing = [k for k in task.stage.key if k not in input.columns]
+    if missing or OPERATOR_INDEX in input.columns:
+        raise ValueError(f"keyed stage {task.stage.name}: the input needs the key column(s) "
+                         f"{list(task.stage.key)} and no column {OPERATOR_INDEX}; it has "
+                         f"{input.columns}")
+    routed_type = T.StructType([*input.schema.fields,
+                                T.StructField(OPERATOR_INDEX, T.IntegerType(), False)])
+    routed = input.mapInArrow(partial(_operator_indices, task), routed_type)
+
+    def run_range(group_key, table):  # a plain function: Spark inspects its signature
+        return _run_range(task, group_key, table)
+
+    cached = routed.groupBy(OPERATOR_INDEX).applyInArrow(
+        run_range, from_arrow_schema(_RESULT_SCHEMA)
+    ).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
+    except BaseException:
+        cached.unpersist()
+        raise
+    target = _spark_arrow_schema(task.output_schema)
+    output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
+        partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
+    return KeyedBatch(output, _results(task, handles), cached)
+
+
+def extend_chains(chains: Sequence[KeyedStateChain],
+                  results: Sequence[KeyedRangeResult]) -> list[KeyedStateChain]:
+    """The chains after a batch: each range with a change file gets it appended, a
+    materialised range restarts from its snapshot; ranges without rows stay as they were."""
+    chains = list(chains)
+    for result in results:
+        chain = chains[result.operator_index]
+        if chain.key_groups != result.key_groups:
+            raise ValueError(f"range {result.operator_index}: result of key groups "
+                             f"{result.key_groups} for a chain of {chain.key_groups}")
+        chains[result.operator_index] = (
+            chain.appended(result.handle) if result.kind == _CHANGE
+            else KeyedStateChain(result.key_groups, result.handle))
+    return chains
+
+
+@dataclass(frozen=True)
+class MaterialisationPolicy:
+    """When a range's chain is replaced by a snapshot (Flink's periodic materialisation):
+    after ``every`` change files, or when its change files' bytes exceed ``ratio`` times the
+    last snapshot's (at least ``min_bytes``, so that small states do not snapshot at every
+    checkpoint)."""
+
+    every: int = 10
+    ratio: float = 1.0
+    min_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.ratio <= 0 or self.min_bytes < 0:
+            raise ValueError(f"MaterialisationPolicy: every >= 1, ratio > 0 and min_bytes >= 0, "
+                             f"got {self}")
+
+    def due(self, chain: KeyedStateChain) -> bool:
+        if not chain.changes:
+            return False
+        if len(chain.changes) >= self.every:
+            return True
+        snapshot = 0 if chain.materialisation is None else chain.materialisation.state_size
+        changed = sum(h.state_size for h in chain.changes)
+        return changed > self.ratio * max(snapshot, self.min_bytes)
+
+
+def ranges_to_materialise(chains: Sequence[KeyedStateChain],
+                          policy: MaterialisationPolicy) -> list[int]:
+    """The operator indices whose chains the policy says to materialise now."""
+    return [i for i, chain in enumerate(chains) if policy.due(chain)]
+
+
+def _materialise_ranges(task: KeyedStageTask,
+                        batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: for each operator index, bring the local store to the shipped
+    chains (rebuilding it from them, e.g. another parallelism's), write a sorted snapshot and
+    mark the store as holding the new one-snapshot chain."""
+    _, attempt = _context()
+    layout = task.layout
+    for batch in batches:
+        for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
+            key_groups = task.key_groups(operator_index)
+            directory = local_store_directory(task, key_groups)
+            stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
+                     "input_rows": 0}
+            with _Locked(directory):
+                store = _open_current(task, key_groups, directory, stats)
+                try:
+                    if layout.ttl is not None:
+                        store.drop_expired(layout.ttl.cutoff(task.now))
+                    access = task.storage.create_checkpoint_storage(task.job_id)
+                    factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                                         task.reference)
+                    handle = write_materialisation(
+                        factory, layout, key_groups, store.sorted_batches(),
+                        f"{task.stage.name}-kg{key_groups.start}-{key_groups.end}"
+                        f"-m{task.batch}-a{attempt}-")
+                    rows = store.num_rows
+                    store.apply(layout.stored_schema.empty_table(),
+                                layout.key_schema.empty_table(),
+                                version=chain_version(key_groups,
+                                                      [KeyedStateChain(key_groups, handle)]))
+                finally:
+                    store.close()
+            row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, rows, stats)
+            yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)
+
+
+def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
+                            operator_indices: Sequence[int] | None = None
+                            ) -> list[KeyedRangeResult]:
+    """Write a snapshot of each range in ``operator_indices`` (all ranges if None) of
+    ``task.parallelism``, one Spark task per range; ``extend_chains`` with the results resets
+    their chains. With ``task.chains`` of another parallelism this is rescaling: every new
+    range is rebuilt from the chains it overlaps."""
+    indices = list(range(task.parallelism)) if operator_indices is None else list(
+        operator_indices)
+    if not indices:
+        return []
+    for index in indices:
+        task.key_groups(index)  # checks the index
+    frame = spark.createDataFrame([(i,) for i in indices], f"{OPERATOR_INDEX} int")
+    rows = frame.repartition(len(indices), OPERATOR_INDEX).mapInArrow(
+        partial(_materialise_ranges, task), from_arrow_schema(_RESULT_SCHEMA)).collect()
+    return _results(task, rows)

@@ -1,0 +1,215 @@
+"""A keyed stage on real Spark (local[2]): per-range tasks, change files, local stores rebuilt
+from the chains, retried attempts, rescaling and materialisation, each checked against a
+plain dict recomputation of a per-user count."""
+
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from pyspark import cloudpickle
+
+from checkpoint_storage import FileSystemCheckpointStorage, JobID
+from pipelines.keyed import (
+    KeyedResult,
+    KeyedStage,
+    KeyedStageTask,
+    KeyedStateChain,
+    KeyedStateLayout,
+    KeyGroupRange,
+    MaterialisationPolicy,
+    apply_keyed_batch,
+    compute_key_group_range_for_operator_index,
+    compute_operator_index_for_key_group,
+    extend_chains,
+    materialise_keyed_state,
+    ranges_to_materialise,
+    replay_chains,
+)
+
+MAX_PARALLELISM = 8
+STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
+OUTPUT = pa.schema([("user", pa.string()), ("clicks", pa.int64())])
+ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
+BATCHES = [
+    ["ann", "bob", "ann", "cid", "dee"],
+    ["bob", "eve", "ann", "fay", "gus", "gus"],
+    ["cid", "hal", "ann", "eve"],
+    ["ivy", "bob", "jon", "dee", "dee"],
+]
+
+
+def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
+    counts = input.group_by("user").aggregate([([], "count_all")])
+    joined = counts.join(state, "user", join_type="left outer")
+    clicks = pc.add(joined.column("count_all"), pc.fill_null(joined.column("clicks"), 0))
+    upserts = pa.table({"user": joined.column("user"), "clicks": clicks})
+    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}), upserts)
+
+
+# Spark's workers cannot import this test module: ship its functions by value, as a user's
+# stage defined in a notebook or script is shipped.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+STAGE = KeyedStage("clicks", "user", STATE, count_clicks)
+LAYOUT = KeyedStateLayout.of(STAGE, MAX_PARALLELISM)
+
+
+class Job:
+    """One pipeline's checkpoint storage (local disk), its chains, and its executors' local
+    store directory; ``run`` applies one batch as the runner will."""
+
+    def __init__(self, root: Path, parallelism: int) -> None:
+        self.storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
+                                                   file_state_size_threshold=0)
+        self.job_id = JobID.generate()
+        self.access = self.storage.create_checkpoint_storage(self.job_id)
+        self.access.initialize_base_locations()
+        self.local_dir = root / "local"
+        self.checkpoint_id = 0
+        self.parallelism = parallelism
+        self.chains = [KeyedStateChain(compute_key_group_range_for_operator_index(
+            MAX_PARALLELISM, parallelism, i), None) for i in range(parallelism)]
+
+    def task(self, batch: int, parallelism: int | None = None) -> KeyedStageTask:
+        self.checkpoint_id += 1
+        location = self.access.initialize_location_for_checkpoint(self.checkpoint_id)
+        return KeyedStageTask(
+            self.storage, str(self.job_id), self.checkpoint_id, location.location_reference,
+            STAGE, OUTPUT, MAX_PARALLELISM, parallelism or self.parallelism, tuple(self.chains),
+            batch, local_dir=str(self.local_dir))
+
+    def run(self, spark, batch: int, task: KeyedStageTask | None = None):
+        """Apply batch ``batch``; returns (output rows as (user, clicks) pairs, results)."""
+        task = task or self.task(batch)
+        frame = spark.createDataFrame([(u,) for u in BATCHES[batch]], "user string")
+        result = apply_keyed_batch(frame, task)
+        try:
+            output = sorted((r["user"], r["clicks"]) for r in result.output.collect())
+        finally:
+            result.release()
+        self.chains = extend_chains(self.chains, result.ranges)
+        return output, result.ranges
+
+    def state(self) -> dict[str, int]:
+        table = replay_chains(self.chains, LAYOUT, ALL)
+        users = table.column("user").to_pylist()
+        assert len(set(users)) == len(users), "a key is in the state twice"
+        return dict(zip(users, table.column("clicks").to_pylist(), strict=True))
+
+
+def expected(batches: int) -> tuple[dict[str, int], list[list[tuple[str, int]]]]:
+    """The counts after ``batches`` batches and each batch's output, recomputed with a dict."""
+    counts: Counter = Counter()
+    outputs = []
+    for users in BATCHES[:batches]:
+        counts.update(users)
+        outputs.append(sorted((u, counts[u]) for u in set(users)))
+    return dict(counts), outputs
+
+
+def operator_indices(users: list[str], parallelism: int) -> list[int]:
+    """The range (operator index) owning each user, by Flink's formulas."""
+    groups = LAYOUT.key_groups_of(pa.table({"user": users}))
+    return [compute_operator_index_for_key_group(MAX_PARALLELISM, parallelism, int(g))
+            for g in groups]
+
+
+@pytest.fixture
+def job(tmp_path) -> Job:
+    return Job(tmp_path, 2)
+
+
+def test_batches_equal_a_recomputation_and_reuse_the_local_stores(spark, job):
+    """Over three batches the outputs and the replayed chains equal a dict count, and a range
+    builds its local store only the first time it has rows, then reuses it."""
+    outputs, rebuilds, first_rows, seen = [], [], [], set()
+    for batch in range(3):
+        owners = set(operator_indices(BATCHES[batch], 2))
+        first_rows.append(sorted(owners - seen))
+        seen |= owners
+        output, ranges = job.run(spark, batch)
+        outputs.append(output)
+        rebuilds.append(sorted(r.operator_index for r in ranges if r.rebuilt))
+    counts, batch_outputs = expected(3)
+    assert (counts, batch_outputs, first_rows) == (job.state(), outputs, rebuilds)
+
+
+def test_lost_local_stores_are_rebuilt_from_the_chains(spark, job):
+    """With the local stores deleted before every batch (another executor), the result is the
+    same and every range reports a rebuild with the rows it had."""
+    outputs, rebuilt_rows = [], []
+    for batch in range(3):
+        shutil.rmtree(job.local_dir, ignore_errors=True)
+        before = job.state()
+        output, ranges = job.run(spark, batch)
+        outputs.append(output)
+        assert all(r.rebuilt for r in ranges)
+        rebuilt_rows.append(sum(r.rebuild_rows for r in ranges))
+        assert len(before) == rebuilt_rows[-1]
+    counts, batch_outputs = expected(3)
+    assert (counts, batch_outputs) == (job.state(), outputs)
+
+
+def test_a_retried_batch_is_applied_once(spark, job):
+    """Running a batch's task twice (a retried attempt, whose store already applied it)
+    rebuilds the store from the checkpointed chain and applies the batch once."""
+    job.run(spark, 0)
+    task, checkpointed = job.task(1), job.chains
+    first, _ = job.run(spark, 1, task)
+    job.chains = checkpointed  # the driver keeps the second attempt's handles
+    second, ranges = job.run(spark, 1, task)
+    counts, batch_outputs = expected(2)
+    assert (counts, batch_outputs[1], batch_outputs[1], True) == (
+        job.state(), first, second, all(r.rebuilt for r in ranges))
+
+
+def test_rescaling_two_to_three_equals_a_recomputation(spark, job):
+    """Materialising the ranges of parallelism 3 from the chains of parallelism 2, then running
+    batches at 3, equals the recomputation."""
+    job.run(spark, 0)
+    job.run(spark, 1)
+    task = job.task(2, parallelism=3)
+    results = materialise_keyed_state(spark, task)
+    job.parallelism = 3
+    job.chains = extend_chains([KeyedStateChain(task.key_groups(i), None) for i in range(3)],
+                               results)
+    outputs = [job.run(spark, 2)[0], job.run(spark, 3)[0]]
+    counts, batch_outputs = expected(4)
+    assert (counts, batch_outputs[2:], [0, 1, 2]) == (
+        job.state(), outputs, [r.operator_index for r in results])
+
+
+def test_materialisation_resets_the_chains_and_keeps_the_state(spark, job):
+    """After three batches a policy of every 2 change files materialises every range: the
+    chains are one snapshot each, their replay equals the recomputation, and the next batch
+    reuses the local stores (no rebuild) and still equals it."""
+    for batch in range(3):
+        job.run(spark, batch)
+    due = ranges_to_materialise(job.chains, MaterialisationPolicy(every=2, min_bytes=1 << 30))
+    results = materialise_keyed_state(spark, job.task(2), due)
+    job.chains = extend_chains(job.chains, results)
+    shapes = [(c.materialisation is not None, len(c.changes)) for c in job.chains]
+    after_three = job.state()
+    _, ranges = job.run(spark, 3)
+    assert ([0, 1], [(True, 0), (True, 0)], expected(3)[0], expected(4)[0], False) == (
+        due, shapes, after_three, job.state(), any(r.rebuilt for r in ranges))
+
+
+def test_materialisation_policy_counts_changes_and_bytes():
+    """The policy is due after ``every`` change files, or when changes outgrow ``ratio`` of
+    the snapshot (at least ``min_bytes``), and never for a chain without changes."""
+    from checkpoint_storage import ByteStreamStateHandle
+
+    def chain(snapshot: int | None, changes: list[int]) -> KeyedStateChain:
+        return KeyedStateChain(ALL, None if snapshot is None
+                               else ByteStreamStateHandle("m", b"x" * snapshot),
+                               tuple(ByteStreamStateHandle(f"c{i}", b"x" * n)
+                                     for i, n in enumerate(changes)))
+
+    policy = MaterialisationPolicy(every=3, ratio=0.5, min_bytes=10)
+    chains = [chain(100, []), chain(100, [10, 10]), chain(100, [30, 30]), chain(100, [1, 1, 1]),
+              chain(None, [2, 2]), chain(None, [4, 4])]
+    assert [2, 3, 5] == ranges_to_materialise(chains, policy)

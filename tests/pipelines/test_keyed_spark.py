@@ -213,3 +213,14 @@ def test_materialisation_policy_counts_changes_and_bytes():
     chains = [chain(100, []), chain(100, [10, 10]), chain(100, [30, 30]), chain(100, [1, 1, 1]),
               chain(None, [2, 2]), chain(None, [4, 4])]
     assert [2, 3, 5] == ranges_to_materialise(chains, policy)
+
+
+def test_a_batch_on_chains_of_another_parallelism_is_refused(spark, job):
+    """A batch whose chains are not the ranges of its parallelism (rescaled without
+    materialising first) is refused before any task runs, saying what to do."""
+    frame = spark.createDataFrame([("ann",)], "user string")
+
+    with pytest.raises(ValueError, match="materialise the new ranges") as refused:
+        apply_keyed_batch(frame, job.task(0, parallelism=3))
+
+    assert "keyed stage clicks" in str(refused.value)

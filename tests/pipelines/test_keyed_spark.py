@@ -68,6 +68,7 @@ class Job:
         self.access = self.storage.create_checkpoint_storage(self.job_id)
         self.access.initialize_base_locations()
         self.local_dir = root / "local"
+        self.shared = root / "checkpoints" / str(self.job_id) / "shared"
         self.checkpoint_id = 0
         self.parallelism = parallelism
         self.chains = [KeyedStateChain(compute_key_group_range_for_operator_index(
@@ -123,18 +124,22 @@ def job(tmp_path) -> Job:
 
 
 def test_batches_equal_a_recomputation_and_reuse_the_local_stores(spark, job):
-    """Over three batches the outputs and the replayed chains equal a dict count, and a range
-    builds its local store only the first time it has rows, then reuses it."""
-    outputs, rebuilds, first_rows, seen = [], [], [], set()
+    """Over three batches the outputs and the replayed chains equal a dict count, a range
+    builds its local store only the first time it has rows, then reuses it, and each range
+    with rows writes one change file per batch (the stage ran once: no recomputation)."""
+    outputs, rebuilds, first_rows, seen, files = [], [], [], set(), []
     for batch in range(3):
         owners = set(operator_indices(BATCHES[batch], 2))
         first_rows.append(sorted(owners - seen))
         seen |= owners
+        files += [f"clicks-kg{'0-3' if i == 0 else '4-7'}-b{batch}-a0" for i in owners]
         output, ranges = job.run(spark, batch)
         outputs.append(output)
         rebuilds.append(sorted(r.operator_index for r in ranges if r.rebuilt))
+    written = sorted(p.name.rsplit("-", 1)[0] for p in job.shared.iterdir())
     counts, batch_outputs = expected(3)
-    assert (counts, batch_outputs, first_rows) == (job.state(), outputs, rebuilds)
+    assert (counts, batch_outputs, first_rows, sorted(files)) == (
+        job.state(), outputs, rebuilds, written)
 
 
 def test_lost_local_stores_are_rebuilt_from_the_chains(spark, job):

@@ -2,9 +2,11 @@
 from the chains, retried attempts, rescaling and materialisation, each checked against a
 plain dict recomputation of a per-user count."""
 
+import datetime as dt
 import shutil
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +23,8 @@ from pipelines.keyed import (
     KeyedStateLayout,
     KeyGroupRange,
     MaterialisationPolicy,
+    StateTtl,
+    TtlTimeCharacteristic,
     apply_keyed_batch,
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
@@ -229,3 +233,19 @@ def test_a_batch_on_chains_of_another_parallelism_is_refused(spark, job):
         apply_keyed_batch(frame, job.task(0, parallelism=3))
 
     assert "keyed stage clicks" in str(refused.value)
+
+
+def test_expired_state_is_not_handed_to_the_stage(spark, job):
+    """Under a processing-time TTL of one hour, a batch two hours later counts from zero: the
+    expired rows are never handed to the stage, and the stored write times are the batches'."""
+    ttl = StateTtl(dt.timedelta(hours=1), TtlTimeCharacteristic.PROCESSING_TIME)
+    stage = replace(STAGE, ttl=ttl)
+    t0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
+    job.run(spark, 0, replace(job.task(0), stage=stage, now=t0))
+    output, _ = job.run(spark, 1, replace(job.task(1), stage=stage, now=t0 + dt.timedelta(
+        hours=2)))
+    state = replay_chains(job.chains, KeyedStateLayout.of(stage, MAX_PARALLELISM), ALL)
+    written = dict(zip(state.column("user").to_pylist(),
+                       state.column("_written_at").to_pylist(), strict=True))
+    assert (sorted((u, n) for u, n in Counter(BATCHES[1]).items()),
+            t0 + dt.timedelta(hours=2), t0) == (output, written["bob"], written["dee"])

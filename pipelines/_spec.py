@@ -20,6 +20,7 @@ from pipelines.keyed import (
     UPPER_BOUND_MAX_PARALLELISM,
     KeyedStage,
 )
+from pipelines.keyed._stage import check_stage_name
 
 __all__ = ["SOURCE", "PartitionOrder", "Stage", "StatefulPipeline"]
 
@@ -27,7 +28,6 @@ SOURCE = "source"
 """The name a stage's ``input`` gives to the pipeline's source."""
 
 _NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
-_STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,7 @@ class Stage:
     input: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _STAGE_NAME.fullmatch(self.name):
-            raise ValueError(
-                f"stage name {self.name!r}: use letters, digits and '_' (it names state files "
-                "and metadata), starting with a letter"
-            )
+        check_stage_name(self.name)
         if self.name == SOURCE:
             raise ValueError(f"a stage cannot be called {SOURCE!r}: that names the source")
         if not isinstance(self.state_schema, T.StructType):

@@ -21,6 +21,7 @@ from checkpoint_storage import (
     StreamStateHandle,
 )
 from pipelines._handles import StateHandleRef
+from pipelines._parquet_state import write_parquet_state
 
 __all__ = [
     "HANDLE_ROW_SCHEMA",
@@ -71,27 +72,6 @@ def handle_from_row(row: dict, storage_options: dict) -> StreamStateHandle:
     )
 
 
-class _KeepOpen:
-    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it: the task
-    commits with ``close_and_get_handle()`` itself."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self.closed = False
-
-    def write(self, data) -> int:
-        return self._stream.write(data)
-
-    def tell(self) -> int:
-        return self._stream.tell()
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def close(self) -> None:
-        self.closed = True
-
-
 @dataclass(frozen=True)
 class StateWriteTask:
     """Everything a partition task needs to write one stage's state for one checkpoint
@@ -122,26 +102,11 @@ def write_state_partition(
     stream = factory.create_checkpoint_state_output_stream(
         CheckpointedStateScope.EXCLUSIVE, f"{task.operator_id}-{subtask:05d}-a{attempt}-"
     )
-    rows = 0
-    try:
-        writer = pq.ParquetWriter(_KeepOpen(stream), task.schema, **PARQUET_OPTIONS)
-        for batch in batches:
-            if batch.num_rows:
-                writer.write_batch(batch if batch.schema == task.schema else _conform(batch, task))
-                rows += batch.num_rows
-        writer.close()
-        handle = stream.close_and_get_handle()
-    except BaseException:
-        stream.close()
-        raise
+    handle, rows = write_parquet_state(stream, task.schema, batches, PARQUET_OPTIONS)
     if task.after_write is not None:
         task.after_write(subtask, attempt)
     row = handle_to_row(handle, subtask, attempt, rows)
     yield pa.RecordBatch.from_pylist([row], schema=HANDLE_ROW_SCHEMA)
-
-
-def _conform(batch: pa.RecordBatch, task: StateWriteTask) -> pa.RecordBatch:
-    return pa.Table.from_batches([batch]).cast(task.schema).to_batches()[0]
 
 
 @dataclass(frozen=True)

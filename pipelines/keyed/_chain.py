@@ -42,6 +42,7 @@ from checkpoint_storage import (
     OperatorSubtaskState,
     StreamStateHandle,
 )
+from pipelines._parquet_state import write_parquet_state
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
@@ -185,47 +186,11 @@ def _identity(layout: KeyedStateLayout, kind: str, key_groups: KeyGroupRange) ->
             "key_groups": str(key_groups)}
 
 
-class _KeepOpen:
-    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it. After
-    ``abort`` writes go nowhere: a writer dropped on an error flushes into nothing."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self.closed = False
-        self.aborted = False
-
-    def write(self, data) -> int:
-        if self.aborted:
-            return len(data)
-        return self._stream.write(data)
-
-    def tell(self) -> int:
-        return self._stream.tell()
-
-    def flush(self) -> None:
-        self._stream.flush()
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def _write(factory: CheckpointStreamFactory, schema: pa.Schema,
            batches: Iterable[pa.RecordBatch | pa.Table], name_prefix: str) -> StreamStateHandle:
     stream = factory.create_checkpoint_state_output_stream(CheckpointedStateScope.SHARED,
                                                            name_prefix)
-    sink = _KeepOpen(stream)
-    try:
-        writer = pq.ParquetWriter(sink, schema, **_PARQUET_OPTIONS)
-        for batch in batches:
-            if batch.num_rows:
-                table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
-                writer.write_table(table.cast(schema), row_group_size=_ROW_GROUP_ROWS)
-        writer.close()
-        return stream.close_and_get_handle()
-    except BaseException:
-        sink.aborted = True
-        stream.close()
-        raise
+    return write_parquet_state(stream, schema, batches, _PARQUET_OPTIONS, _ROW_GROUP_ROWS)[0]
 
 
 def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout,

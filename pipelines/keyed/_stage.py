@@ -19,6 +19,17 @@ __all__ = [
 ]
 
 _STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
+
+
+def check_stage_name(name: object) -> None:
+    """A stage's name (of either kind) names state files and metadata: letters, digits and
+    '_', starting with a letter."""
+    if not isinstance(name, str) or not _STAGE_NAME.fullmatch(name):
+        raise ValueError(
+            f"stage name {name!r}: use letters, digits and '_' (it names state files "
+            "and metadata), starting with a letter"
+        )
+
 RESERVED_PREFIX = "_"
 """State and key columns must not start with this: the formats add ``_key_group``,
 ``_deleted`` and ``_written_at``."""
@@ -123,11 +134,7 @@ class KeyedStage:
     input: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _STAGE_NAME.fullmatch(self.name):
-            raise ValueError(
-                f"stage name {self.name!r}: use letters, digits and '_' (it names state files "
-                "and metadata), starting with a letter"
-            )
+        check_stage_name(self.name)
         where = f"keyed stage {self.name}"
         key = (self.key,) if isinstance(self.key, str) else self.key
         if not isinstance(key, Sequence) or not key or not all(

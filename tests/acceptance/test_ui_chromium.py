@@ -9,6 +9,7 @@ It skips, with the reason, only when ``/usr/bin/chromium`` is missing (scripts/t
 it with apt-get when it can) or the ``playwright`` package is not installed.
 """
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -45,6 +46,36 @@ def _chromium_or_skip() -> str:
     return CHROMIUM
 
 
+@contextlib.contextmanager
+def asset_events_page(dagster_dev: DagsterDev, profile: Path, wait_for: list[str], screenshot):
+    """Headless Chromium on user_activity's Events tab (the newest event selected, its
+    metadata beside the list), once every text of ``wait_for`` shows; a screenshot either way."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        # A fresh profile directory per test (Playwright wants it as user_data_dir).
+        browser = p.chromium.launch_persistent_context(
+            str(profile),
+            executable_path=_chromium_or_skip(),
+            args=CHROMIUM_ARGS,
+            headless=True,
+            viewport={"width": 1600, "height": 1200},
+        )
+        try:
+            page = browser.new_page()
+            page.goto(f"{dagster_dev.url}/assets/user_activity?view=events", timeout=60_000)
+            try:
+                first, *rest = wait_for
+                page.get_by_text(first, exact=True).first.wait_for(timeout=90_000)
+                for text in rest:
+                    page.get_by_text(text).first.wait_for(timeout=30_000)
+            finally:
+                page.screenshot(path=str(screenshot), full_page=True)
+            yield page
+        finally:
+            browser.close()
+
+
 @pytest.fixture(scope="module")
 def materialized(dagster_dev: DagsterDev) -> dict:
     """A user_activity materialization with its checkpoint metadata: the end-to-end test's,
@@ -65,35 +96,12 @@ def materialized(dagster_dev: DagsterDev) -> dict:
 def test_asset_page_shows_checkpoint_metadata(
     dagster_dev: DagsterDev, materialized: dict, artifacts_dir: Path, tmp_path
 ):
-    executable = _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
+    _chromium_or_skip()
     pointer = str(materialized["checkpoint_pointer"])
     screenshot = artifacts_dir / "user_activity_asset_page.png"
-    with sync_playwright() as p:
-        # A fresh profile directory per test (Playwright wants it as user_data_dir).
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=executable,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1600, "height": 1200},
-        )
-        try:
-            page = browser.new_page()
-            # The asset's events tab: the latest materialization is selected, its metadata
-            # table beside the list.
-            page.goto(f"{dagster_dev.url}/assets/user_activity?view=events", timeout=60_000)
-            try:
-                page.get_by_text("checkpoint_pointer", exact=True).first.wait_for(
-                    timeout=90_000
-                )
-                page.get_by_text(pointer).first.wait_for(timeout=30_000)
-            finally:
-                page.screenshot(path=str(screenshot), full_page=True)
-            text = page.inner_text("body")
-        finally:
-            browser.close()
+    waits = ["checkpoint_pointer", pointer]
+    with asset_events_page(dagster_dev, tmp_path / "chromium-profile", waits, screenshot) as page:
+        text = page.inner_text("body")
     for label in ("checkpoint_pointer", "state_bytes", "source_position"):
         assert label in text, f"{label} not on the asset page (see {screenshot})"
     assert pointer in text
@@ -116,32 +124,14 @@ def test_asset_page_shows_what_is_retained(
 ):
     """The events tab opens on the newest event, whose retained table shows every retained
     checkpoint and savepoint: id, kind, decoded position and pointer."""
-    executable = _chromium_or_skip()
-    from playwright.sync_api import sync_playwright
-
+    _chromium_or_skip()
     rows = newest_retained(dagster_dev)
     assert rows, "the newest event has an empty retained table"
     screenshot = artifacts_dir / "user_activity_retained.png"
-    with sync_playwright() as p:
-        browser = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"),
-            executable_path=executable,
-            args=CHROMIUM_ARGS,
-            headless=True,
-            viewport={"width": 1600, "height": 1200},
-        )
-        try:
-            page = browser.new_page()
-            page.goto(f"{dagster_dev.url}/assets/user_activity?view=events", timeout=60_000)
-            try:
-                page.get_by_text("retained", exact=True).first.wait_for(timeout=90_000)
-                page.get_by_text(rows[-1]["pointer"]).first.wait_for(timeout=30_000)
-            finally:
-                page.screenshot(path=str(screenshot), full_page=True)
-            # One line per table row: its cells, tab-separated, as the browser renders them.
-            lines = page.inner_text("body").splitlines()
-        finally:
-            browser.close()
+    waits = ["retained", rows[-1]["pointer"]]
+    with asset_events_page(dagster_dev, tmp_path / "chromium-profile", waits, screenshot) as page:
+        # One line per table row: its cells, tab-separated, as the browser renders them.
+        lines = page.inner_text("body").splitlines()
     table = [line.split("\t") for line in lines if "\t" in line]
     for row in rows:
         expected = [str(row["id"]), row["kind"], row["partition"], str(row["batches"])]

@@ -1,0 +1,65 @@
+"""Writing Parquet into a state stream: what DataFrame stages' snapshots and keyed state's
+change files and materialisations share."""
+
+from collections.abc import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from checkpoint_storage import StreamStateHandle
+
+__all__ = ["write_parquet_state"]
+
+
+class _KeptOpen:
+    """Hands a state stream to pyarrow without letting pyarrow close (= abort) it: the writer
+    commits with ``close_and_get_handle()`` itself. After ``abort`` writes go nowhere, so a
+    Parquet writer dropped on an error flushes into nothing."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self.closed = False
+        self.aborted = False
+
+    def write(self, data) -> int:
+        if self.aborted:
+            return len(data)
+        return self._stream.write(data)
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def write_parquet_state(
+    stream,
+    schema: pa.Schema,
+    parts: Iterable[pa.RecordBatch | pa.Table],
+    parquet_options: dict,
+    row_group_size: int | None = None,
+) -> tuple[StreamStateHandle, int]:
+    """Write ``parts`` (cast to ``schema`` where they differ) as one Parquet file into the
+    state ``stream`` and commit it; returns the handle and the number of rows. No parts: a
+    valid empty file. On any error the stream is closed without a handle (nothing persists)."""
+    sink = _KeptOpen(stream)
+    rows = 0
+    try:
+        writer = pq.ParquetWriter(sink, schema, **parquet_options)
+        for part in parts:
+            if part.num_rows:
+                table = part if isinstance(part, pa.Table) else pa.Table.from_batches([part])
+                if table.schema != schema:
+                    table = table.cast(schema)
+                writer.write_table(table, row_group_size=row_group_size)
+                rows += part.num_rows
+        writer.close()
+        return stream.close_and_get_handle(), rows
+    except BaseException:
+        sink.aborted = True
+        stream.close()
+        raise

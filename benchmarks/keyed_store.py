@@ -2,7 +2,8 @@
 
 Usage::
 
-    PYTHONPATH=.:/path/to/rocksdict-and-duckdb python benchmarks/keyed_store.py \
+    .venv/bin/pip install -e ".[bench]"     # rocksdict and duckdb, the candidates
+    .venv/bin/python benchmarks/keyed_store.py \
         [--sizes 1000000,4000000] [--rounds 3] [--batches 3]
 
 Candidates: RocksDB (``rocksdict``, raw bytes mode), DuckDB (a table with a primary key),

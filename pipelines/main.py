@@ -291,7 +291,8 @@ def _print_state(storage, home: Path, defs: dg.Definitions) -> None:
     if newest is not None:
         print(f"\nRead the state of the newest checkpoint ({newest.position}):")
         for stage in STAGES:
-            print(f"  checkpoints read {shlex.quote(newest.pointer)} --stage {stage.name}")
+            pointer = shlex.quote(newest.pointer)
+            print(f"  .venv/bin/checkpoints read {pointer} --stage {stage.name}")
     group = [s.key.to_user_string() for s in defs.resolve_all_asset_specs()
              if s.group_name == NAME]  # fmt: skip
     command = backfill_command(snapshots, home, NAME, group)

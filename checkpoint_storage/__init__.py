@@ -22,7 +22,12 @@ from checkpoint_storage._file_merging import (
     SubtaskKey,
     create_file_merging_snapshot_manager,
 )
-from checkpoint_storage._filesystems import format_size, options_with_environment, url_to_fs
+from checkpoint_storage._filesystems import (
+    format_age,
+    format_size,
+    options_with_environment,
+    url_to_fs,
+)
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._handles import (
     ByteStreamStateHandle,
@@ -195,6 +200,7 @@ __all__ = [
     "discard_checkpoint",
     "dispose_savepoint",
     "encode_path_as_reference",
+    "format_age",
     "format_size",
     "latest_checkpoint",
     "list_checkpoints",

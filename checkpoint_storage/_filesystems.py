@@ -346,6 +346,19 @@ def format_size(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
+def format_age(age: _dt.timedelta | None, *, compact: bool = False) -> str:
+    """An age for people in its largest whole unit: ``42 s``, ``7 min``, ``3 h``, ``2 d``;
+    ``compact``: ``42s``, ``7m``, ``3h``, ``2d`` (for narrow table columns). ``-`` when
+    unknown."""
+    if age is None:
+        return "-"
+    seconds = max(0, int(age.total_seconds()))
+    for unit, short, size in (("d", "d", 86400), ("h", "h", 3600), ("min", "m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{short}" if compact else f"{seconds // size} {unit}"
+    return f"{seconds}s" if compact else f"{seconds} s"
+
+
 # --- modification times ------------------------------------------------------------------
 
 _TIME_KEYS = ("mtime", "LastModified", "last_modified", "modified", "updated", "created")

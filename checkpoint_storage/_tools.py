@@ -565,7 +565,8 @@ class CheckpointInfo:
     ``state_size`` and ``file_count`` come from `_metadata` for a completed checkpoint (inline
     state included in the size; files counted once); otherwise ``state_size`` is None and
     ``file_count`` is the number of files present in the directory. ``modified`` is when
-    `_metadata` was last modified (UTC), if the filesystem says.
+    `_metadata` was last modified (UTC), if the filesystem says. ``master_states`` are a
+    completed checkpoint's (from the `_metadata` the listing read), else empty.
     """
 
     pointer: str
@@ -577,6 +578,7 @@ class CheckpointInfo:
     state_size: int | None = None
     file_count: int = 0
     modified: datetime | None = None
+    master_states: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def completed(self) -> bool:
@@ -725,6 +727,7 @@ def _examine(
             }
         ),
         modified=modified,
+        master_states=dict(metadata.master_states),
     )
 
 

@@ -84,7 +84,6 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
@@ -108,6 +107,7 @@ from typer.core import TyperGroup
 from checkpoint_storage._access import resolve_checkpoint_pointer
 from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
+    format_age,
     format_size,
     normalize_pointer,
     parent_and_name,
@@ -196,7 +196,6 @@ MIN_MASKED_LENGTH = 4  # shorter option values are not masked in error text (too
 # How deep `list` looks below DIR for directories of jobs and savepoints: DIR/x/y, e.g.
 # <data>/savepoints/scheduled.
 LIST_DEPTH = 2
-METADATA_PARALLELISM = 8
 PLAIN_WIDTH = 100_000  # a table's plain text is never wrapped
 
 EPILOG = f"""\
@@ -449,16 +448,6 @@ def _activity(label: str) -> Iterator[None]:
 
 def _size(n: int | None) -> str:
     return "-" if n is None else format_size(n)
-
-
-def _age(delta: timedelta | None) -> str:
-    if delta is None:
-        return "-"
-    seconds = max(0, int(delta.total_seconds()))
-    for unit, length in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= length:
-            return f"{seconds // length}{unit}"
-    return f"{seconds}s"
 
 
 def _count(n: int, word: str, plural: str | None = None) -> str:
@@ -781,24 +770,6 @@ def _list_below(directory: str, options: dict) -> list[CheckpointInfo]:
     return sorted(_attribute_savepoints(infos), key=_sort_key)
 
 
-def _master_states_of(infos: list[CheckpointInfo], options: dict) -> dict[str, dict]:
-    """The master states of every completed checkpoint in ``infos``, by pointer; {} for one
-    that went away (or changed) since it was listed."""
-
-    def load(info: CheckpointInfo) -> tuple[str, dict]:
-        try:
-            completed = resolve_checkpoint_pointer(info.pointer, options)
-            return info.pointer, dict(completed.load_metadata().master_states)
-        except (OSError, ValueError, InvalidCheckpointError):
-            return info.pointer, {}
-
-    completed = [i for i in infos if i.completed]
-    if not completed:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(METADATA_PARALLELISM, len(completed))) as pool:
-        return dict(pool.map(load, completed))
-
-
 def _source_position(data: bytes | None) -> dict | None:
     """The ``SOURCE_POSITION_STATE`` JSON object, None when absent or not of that form."""
     if data is None:
@@ -831,7 +802,7 @@ def _job_name(states: dict) -> str | None:
     return None if data is None else data.decode("utf-8", "replace")
 
 
-def _info_json(info: CheckpointInfo, now: datetime, states: dict) -> dict:
+def _info_json(info: CheckpointInfo, now: datetime) -> dict:
     age = info.age(now)
     return {
         "pointer": info.pointer,
@@ -844,18 +815,17 @@ def _info_json(info: CheckpointInfo, now: datetime, states: dict) -> dict:
         "file_count": info.file_count,
         "modified": _iso(info.modified),
         "age_seconds": None if age is None else round(age.total_seconds(), 3),
-        "job_name": _job_name(states),
-        "source_position": _source_position(states.get(SOURCE_POSITION_STATE)),
+        "job_name": _job_name(info.master_states),
+        "source_position": _source_position(info.master_states.get(SOURCE_POSITION_STATE)),
     }
 
 
 def _list(directory_arg: str, as_json: bool, options: dict) -> int:
     directory = location(directory_arg)
     infos = _list_below(directory, options)
-    states = _master_states_of(infos, options)
     now = datetime.now(UTC)
     if as_json:
-        print_json([_info_json(i, now, states.get(i.pointer, {})) for i in infos])
+        print_json([_info_json(i, now) for i in infos])
         return EXIT_OK
     if not infos:
         echo(f"no checkpoints or savepoints in {directory}")
@@ -866,7 +836,7 @@ def _list(directory_arg: str, as_json: bool, options: dict) -> int:
     order = sorted(jobs, key=lambda job: (job is None, job or ""))
     for index, job in enumerate(order):
         rows = jobs[job]
-        names = [_job_name(states.get(i.pointer, {})) for i in reversed(rows)]
+        names = [_job_name(i.master_states) for i in reversed(rows)]
         name = next((n for n in names if n), None)
         if index:
             echo()
@@ -884,7 +854,7 @@ def _list(directory_arg: str, as_json: bool, options: dict) -> int:
             fold={"POINTER"},
         )
         for i in rows:
-            position = _source_position(states.get(i.pointer, {}).get(SOURCE_POSITION_STATE))
+            position = _source_position(i.master_states.get(SOURCE_POSITION_STATE))
             table.add_row(
                 "-" if i.checkpoint_id is None else str(i.checkpoint_id),
                 i.kind,
@@ -892,7 +862,7 @@ def _list(directory_arg: str, as_json: bool, options: dict) -> int:
                 describe_position(position),
                 _size(i.state_size),
                 str(i.file_count),
-                _age(i.age(now)),
+                format_age(i.age(now), compact=True),
                 i.pointer,
             )
         print_table(table)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import dagster as dg
 
-from checkpoint_storage import format_size
+from checkpoint_storage import format_age, format_size
 from pipelines import SourcePosition, job_id_for
 from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
-from sensors import RetainedSnapshot, format_age, retained_snapshots
+from sensors import RetainedSnapshot, retained_snapshots
 
 __all__ = ["backfill_command", "main", "next_partitions", "parse_args", "print_retained"]
 

@@ -38,7 +38,6 @@ from sensors._definitions import pipeline_definitions
 from sensors._retained import (
     RETAINED_METADATA_KEY,
     RetainedSnapshot,
-    format_age,
     retained_metadata,
     retained_snapshots,
     retained_table,
@@ -91,7 +90,6 @@ __all__ = [
     "build_savepoint_job",
     "build_savepoint_schedule",
     "build_stateful_assets",
-    "format_age",
     "integrity_check_result",
     "pipeline_definitions",
     "plan_recovery",

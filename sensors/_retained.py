@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import dagster as dg
 
 from checkpoint_storage import (
+    SOURCE_POSITION_STATE,
     CheckpointInfo,
-    CheckpointNotFoundError,
     FileSystemCheckpointStorage,
     InvalidCheckpointError,
+    format_age,
     format_size,
     list_checkpoints,
 )
@@ -25,7 +26,6 @@ from pipelines import SCHEDULED_SAVEPOINTS, SourcePosition, job_id_for
 __all__ = [
     "RETAINED_METADATA_KEY",
     "RetainedSnapshot",
-    "format_age",
     "retained_metadata",
     "retained_snapshots",
     "retained_table",
@@ -57,17 +57,6 @@ class RetainedSnapshot:
         return None if self.modified is None else now - self.modified
 
 
-def format_age(age: dt.timedelta | None) -> str:
-    """``42 s``, ``7 min``, ``3 h``, ``2 d`` (``-`` when unknown)."""
-    if age is None:
-        return "-"
-    seconds = max(0, int(age.total_seconds()))
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds // size} {unit}"
-    return f"{seconds} s"
-
-
 def _listed(directory: str, options: dict) -> list[CheckpointInfo]:
     try:
         return list_checkpoints(directory, storage_options=options)
@@ -75,20 +64,21 @@ def _listed(directory: str, options: dict) -> list[CheckpointInfo]:
         return []
 
 
-def _position(storage: FileSystemCheckpointStorage, info: CheckpointInfo) -> SourcePosition | None:
-    if not info.completed:
+def _position(info: CheckpointInfo) -> SourcePosition | None:
+    """The source position of a completed pipeline checkpoint (from the master states its
+    listing read); None for others."""
+    data = info.master_states.get(SOURCE_POSITION_STATE)
+    if data is None:  # not completed, or written by something other than a pipeline
         return None
     try:
-        return SourcePosition.of(storage.resolve_checkpoint(info.pointer).load_metadata())
-    except CheckpointNotFoundError:  # disposed since it was listed
-        return None
-    except InvalidCheckpointError:  # written by something other than a pipeline
+        return SourcePosition.from_bytes(data)
+    except InvalidCheckpointError:
         return None
 
 
-def _snapshot(storage, info: CheckpointInfo, kind: str) -> RetainedSnapshot:
+def _snapshot(info: CheckpointInfo, kind: str) -> RetainedSnapshot:
     return RetainedSnapshot(
-        info.checkpoint_id, kind, info.status, _position(storage, info), info.state_size,
+        info.checkpoint_id, kind, info.status, _position(info), info.state_size,
         info.file_count, info.modified, info.pointer,
     )  # fmt: skip
 
@@ -103,7 +93,7 @@ def retained_snapshots(
     options = dict(storage.storage_options)
     base = storage.checkpoint_directory.rstrip("/")
     rows = [
-        _snapshot(storage, info, info.kind)
+        _snapshot(info, info.kind)
         for info in _listed(f"{base}/{job}", options)
         if info.status != "in-progress"
     ]
@@ -115,7 +105,7 @@ def retained_snapshots(
             (f"{directory}/{SCHEDULED_SAVEPOINTS}", SCHEDULED_SAVEPOINT),
         ):
             savepoints += [
-                _snapshot(storage, info, kind)
+                _snapshot(info, kind)
                 for info in _listed(folder, options)
                 if info.status != "in-progress" and _owned_savepoint(info, job)
             ]

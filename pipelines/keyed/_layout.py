@@ -82,25 +82,27 @@ class KeyedStateLayout:
 
     def conform(self, table: pa.Table, what: str) -> pa.Table:
         """``table`` with exactly the stored schema's columns, cast where needed."""
-        schema = self.stored_schema
-        missing = [n for n in schema.names if n not in table.column_names]
-        if missing:
-            raise ValueError(f"{what}: columns {missing} missing; expected {schema.names}")
-        table = table.select(schema.names)
-        if table.schema.remove_metadata() == schema.remove_metadata():
-            return table
-        try:
-            return table.cast(schema)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-            raise ValueError(f"{what}: does not fit the state schema {schema}: {exc}") from exc
+        return _conform(table, self.stored_schema, what, "columns", "the state schema")
 
     def conform_keys(self, table: pa.Table, what: str) -> pa.Table:
-        schema = self.key_schema
-        missing = [n for n in schema.names if n not in table.column_names]
-        if missing:
-            raise ValueError(f"{what}: key columns {missing} missing")
-        table = table.select(schema.names)
-        return table if table.schema == schema else table.cast(schema)
+        """``table`` with exactly the key columns, cast where needed."""
+        return _conform(table, self.key_schema, what, "key columns", "the key columns")
+
+
+def _conform(
+    table: pa.Table, schema: pa.Schema, what: str, columns: str, target: str
+) -> pa.Table:
+    """``table`` as ``schema`` (its columns selected and cast); errors name ``what``."""
+    missing = [n for n in schema.names if n not in table.column_names]
+    if missing:
+        raise ValueError(f"{what}: {columns} {missing} missing; expected {schema.names}")
+    table = table.select(schema.names)
+    if table.schema.remove_metadata() == schema.remove_metadata():
+        return table
+    try:
+        return table.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+        raise ValueError(f"{what}: does not fit {target} {schema}: {exc}") from exc
 
 
 def concat_as(schema: pa.Schema, tables: list[pa.Table]) -> pa.Table:

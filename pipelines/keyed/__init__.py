@@ -11,10 +11,13 @@ See docs/design.md, "Keyed state".
 
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
+    KEYED_STATE_PREFIX,
     KeyedStateChain,
     KeyedStateFormatError,
     chains_from_operator_state,
     chains_to_operator_state,
+    decode_keyed_master_state,
+    encode_keyed_master_state,
     read_change_file,
     read_materialisation,
     rebuild_store,
@@ -58,6 +61,7 @@ from pipelines.keyed._store import (
 __all__ = [
     "CHAIN_FORMAT",
     "DEFAULT_MAX_PARALLELISM",
+    "KEYED_STATE_PREFIX",
     "KEY_GROUP",
     "KEY_HASH",
     "OPERATOR_INDEX",
@@ -85,6 +89,8 @@ __all__ = [
     "chains_to_operator_state",
     "compute_key_group_range_for_operator_index",
     "compute_operator_index_for_key_group",
+    "decode_keyed_master_state",
+    "encode_keyed_master_state",
     "extend_chains",
     "hash_keys",
     "local_store_directory",

@@ -24,6 +24,7 @@ its kind, format version, key columns, key hash, max parallelism and key group r
 reader checks them, so a file of another stage or range is refused instead of misread.
 """
 
+import datetime as dt
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,13 +49,17 @@ from pipelines.keyed._key_groups import (
     compute_key_group_range_for_operator_index,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._stage import StateTtl, TtlTimeCharacteristic
 from pipelines.keyed._store import ArrowKeyedStateStore, remove_store
 
 __all__ = [
     "CHAIN_FORMAT",
     "DELETED",
+    "KEYED_STATE_PREFIX",
     "KeyedStateChain",
     "KeyedStateFormatError",
+    "decode_keyed_master_state",
+    "encode_keyed_master_state",
     "chains_from_operator_state",
     "chains_to_operator_state",
     "read_change_file",
@@ -78,6 +83,7 @@ _ROW_GROUP_ROWS = 1 << 16
 _P_FORMAT = "keyed.format"
 _P_KEY_GROUPS = "keyed.key_groups"
 _P_MATERIALISED = "keyed.materialised"
+_P_ROWS = "rows"  # the same property a DataFrame stage's subtask records
 
 
 class KeyedStateFormatError(ValueError):
@@ -100,12 +106,16 @@ class KeyedStateChain:
     key_groups: KeyGroupRange
     materialisation: StreamStateHandle | None
     changes: tuple[StreamStateHandle, ...] = ()
+    rows: int | None = None
+    """The range's state rows at the end of the chain (expired rows not yet dropped count),
+    recorded as the subtask property ``rows`` like a DataFrame stage's; None when unknown."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "changes", tuple(self.changes))
 
-    def appended(self, change: StreamStateHandle) -> "KeyedStateChain":
-        return KeyedStateChain(self.key_groups, self.materialisation, (*self.changes, change))
+    def appended(self, change: StreamStateHandle, rows: int | None = None) -> "KeyedStateChain":
+        return KeyedStateChain(self.key_groups, self.materialisation, (*self.changes, change),
+                               rows)
 
     @property
     def handles(self) -> tuple[StreamStateHandle, ...]:
@@ -113,11 +123,14 @@ class KeyedStateChain:
         return (*first, *self.changes)
 
     def to_subtask_state(self) -> OperatorSubtaskState:
-        return OperatorSubtaskState(self.handles, {
+        properties = {
             _P_FORMAT: CHAIN_FORMAT,
             _P_KEY_GROUPS: str(self.key_groups),
             _P_MATERIALISED: "true" if self.materialisation is not None else "false",
-        })
+        }
+        if self.rows is not None:
+            properties[_P_ROWS] = str(self.rows)
+        return OperatorSubtaskState(self.handles, properties)
 
     @classmethod
     def from_subtask_state(cls, state: OperatorSubtaskState, where: str) -> "KeyedStateChain":
@@ -133,9 +146,14 @@ class KeyedStateChain:
             key_groups = KeyGroupRange.parse(properties.get(_P_KEY_GROUPS, ""))
         except ValueError as exc:
             raise KeyedStateFormatError(f"{where}: {exc}") from exc
+        try:
+            rows = None if _P_ROWS not in properties else int(properties[_P_ROWS])
+        except ValueError as exc:
+            raise KeyedStateFormatError(f"{where}: invalid {_P_ROWS}={properties[_P_ROWS]!r}"
+                                        ) from exc
         if materialised == "true":
-            return cls(key_groups, state.handles[0], state.handles[1:])
-        return cls(key_groups, None, state.handles)
+            return cls(key_groups, state.handles[0], state.handles[1:], rows)
+        return cls(key_groups, None, state.handles, rows)
 
 
 def chains_to_operator_state(operator_id: str, max_parallelism: int,
@@ -166,6 +184,55 @@ def chains_from_operator_state(state: OperatorState) -> list[KeyedStateChain]:
             raise KeyedStateFormatError(f"{where}: no keyed state chain")
         chains.append(KeyedStateChain.from_subtask_state(subtask, where))
     return chains
+
+
+KEYED_STATE_PREFIX = "keyed-state/"
+"""Master state ``keyed-state/<stage>``: a keyed stage's layout (key, key hash, max
+parallelism, expiry) and its event-time clock, as JSON. With ``state-schema/<stage>`` (the
+state schema, Arrow IPC) and ``state-format/<stage>`` (``CHAIN_FORMAT``) a reader needs
+nothing but the snapshot to decode the stage's state."""
+
+
+def encode_keyed_master_state(layout: KeyedStateLayout, clock: dt.datetime | None) -> bytes:
+    """``keyed-state/<stage>``: the layout, and ``clock``: the newest event time the stage
+    has seen (event-time expiry; None otherwise)."""
+    ttl = None if layout.ttl is None else {
+        "seconds": layout.ttl.ttl.total_seconds(),
+        "time_characteristic": layout.ttl.time_characteristic.value,
+        "timestamp_column": layout.ttl.timestamp_column,
+    }
+    return json.dumps({
+        "format": CHAIN_FORMAT, "key": list(layout.key), "key_hash": layout.key_hash,
+        "max_parallelism": layout.max_parallelism, "ttl": ttl,
+        "clock": None if clock is None else clock.astimezone(dt.UTC).isoformat(),
+    }, sort_keys=True).encode()
+
+
+def decode_keyed_master_state(data: bytes, state_schema: pa.Schema, where: str
+                              ) -> tuple[KeyedStateLayout, dt.datetime | None]:
+    """The layout and clock ``encode_keyed_master_state`` recorded; ``KeyedStateFormatError``
+    naming ``where`` when they are malformed, of another format or another key hash."""
+    try:
+        raw = json.loads(data)
+        if raw["format"] != CHAIN_FORMAT:
+            raise KeyedStateFormatError(f"{where}: keyed state of format {raw['format']!r}, "
+                                        f"this version reads {CHAIN_FORMAT}")
+        ttl = None if raw["ttl"] is None else StateTtl(
+            dt.timedelta(seconds=float(raw["ttl"]["seconds"])),
+            TtlTimeCharacteristic(raw["ttl"]["time_characteristic"]),
+            raw["ttl"]["timestamp_column"])
+        layout = KeyedStateLayout(tuple(raw["key"]), state_schema, int(raw["max_parallelism"]),
+                                  ttl)
+        clock = None if raw["clock"] is None else dt.datetime.fromisoformat(raw["clock"])
+    except KeyedStateFormatError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise KeyedStateFormatError(f"{where}: malformed keyed state description "
+                                    f"{data[:200]!r}: {exc}") from exc
+    if raw["key_hash"] != layout.key_hash:
+        raise KeyedStateFormatError(f"{where}: keys were hashed with {raw['key_hash']!r}, this "
+                                    f"version hashes with {layout.key_hash!r}")
+    return layout, clock
 
 
 # --- files -----------------------------------------------------------------------------------

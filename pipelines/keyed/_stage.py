@@ -124,6 +124,13 @@ class KeyedStage:
     ``key``: the key column name(s), present in both the input and ``state_schema``.
     ``ttl``: optional state expiry. ``input``: as for ``Stage``: ``SOURCE``, an earlier
     stage's name, or None for the previous stage's output (the source for the first stage).
+    ``output_schema``: the schema of the output rows (None: the state schema).
+
+    ``event_time``: the input's event-time column, the stage's clock: its newest value seen
+    so far, this batch included, is "now" for event-time expiry, and input rows older than
+    that clock minus the ``ttl`` are dropped before ``apply`` as too late (their keys' state
+    may already have expired, as Spark drops rows behind a watermark). Event-time expiry
+    needs it.
     """
 
     name: str
@@ -132,6 +139,8 @@ class KeyedStage:
     apply: Apply
     ttl: StateTtl | None = None
     input: str | None = None
+    output_schema: pa.Schema | None = None
+    event_time: str | None = None
 
     def __post_init__(self) -> None:
         check_stage_name(self.name)
@@ -181,6 +190,21 @@ class KeyedStage:
                     raise ValueError(f"{where}: ttl timestamp_column {column!r} must be a "
                                      "timestamp column, got "
                                      f"{self.state_schema.field(column).type}")
+
+        if self.output_schema is None:
+            object.__setattr__(self, "output_schema", self.state_schema)
+        elif not isinstance(self.output_schema, pa.Schema):
+            raise TypeError(f"{where}: output_schema must be a pyarrow Schema or None, got "
+                            f"{type(self.output_schema).__name__}")
+        if self.event_time is not None and (not isinstance(self.event_time, str)
+                                            or not self.event_time):
+            raise ValueError(f"{where}: event_time must be an input column name, got "
+                             f"{self.event_time!r}")
+        if (self.ttl is not None
+                and self.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
+                and self.event_time is None):
+            raise ValueError(f"{where}: event-time expiry needs event_time, the input column "
+                             "whose newest value is the stage's clock")
 
     def empty_state(self) -> pa.Table:
         """A state table with no rows."""

@@ -52,6 +52,7 @@ from checkpoint_storage._locations import (
 from checkpoint_storage._master_states import (
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
+    STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
 )
 from checkpoint_storage._metadata import (
@@ -125,6 +126,7 @@ __all__ = [
     "DEFAULT_WRITE_BUFFER_SIZE",
     "JOB_NAME_STATE",
     "SOURCE_POSITION_STATE",
+    "STATE_FORMAT_PREFIX",
     "STATE_SCHEMA_PREFIX",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",

@@ -7,7 +7,7 @@ readable by any tool: the ``checkpoints`` command shows them decoded (``list``: 
 and each checkpoint's source position; ``inspect``: every master state).
 """
 
-__all__ = ["JOB_NAME_STATE", "SOURCE_POSITION_STATE", "STATE_SCHEMA_PREFIX"]
+__all__ = ["JOB_NAME_STATE", "SOURCE_POSITION_STATE", "STATE_FORMAT_PREFIX", "STATE_SCHEMA_PREFIX"]
 
 JOB_NAME_STATE = "pipeline-name"
 """UTF-8 text: the name of the job (pipeline) that wrote the checkpoint."""
@@ -20,3 +20,7 @@ optional): the first ``batches`` batches of ``partition``, all of them once ``co
 STATE_SCHEMA_PREFIX = "state-schema/"
 """``state-schema/<stage>``: the Arrow schema of a stage's state, as the bytes of
 ``pyarrow.Schema.serialize()`` (an Arrow IPC schema message)."""
+
+STATE_FORMAT_PREFIX = "state-format/"
+"""``state-format/<stage>``: UTF-8 text naming how a stage's state is stored (absent: the
+writer's default), so that a reader picks the right decoder."""

@@ -3,9 +3,10 @@
 Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
 with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``); read the
 state of a checkpoint or savepoint with ``read_state`` (or Spark's ``checkpoint`` format).
-Everything a pipeline needs is exported here; examples live in ``pipelines.examples``. Keyed
-state's machinery (key groups, the local store, change files and chains) is
-``pipelines.keyed``; the runner does not run keyed stages yet.
+Everything a pipeline needs is exported here; examples live in ``pipelines.examples``. A stage
+is a DataFrame stage (``Stage``: small state, snapshot whole) or a keyed stage (``KeyedStage``:
+large state in key groups, checkpointed incrementally); keyed state's machinery (key groups,
+the local store, change files and chains) is ``pipelines.keyed``.
 """
 
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
@@ -15,6 +16,7 @@ from pipelines.keyed import (
     DEFAULT_MAX_PARALLELISM,
     KeyedResult,
     KeyedStage,
+    MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
 )
@@ -30,7 +32,6 @@ from pipelines.runner import (
     StatefulRunner,
     batches_digest,
     check_restore_from,
-    check_runnable,
     empty_state,
     job_id_for,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "FileSource",
     "KeyedResult",
     "KeyedStage",
+    "MaterialisationPolicy",
     "MissingStateError",
     "ParquetSink",
     "PartitionOrder",
@@ -85,7 +87,6 @@ __all__ = [
     "arrow_schema",
     "batches_digest",
     "check_restore_from",
-    "check_runnable",
     "empty_state",
     "job_id_for",
     "open_snapshot",

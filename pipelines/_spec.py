@@ -19,6 +19,7 @@ from pipelines.keyed import (
     DEFAULT_MAX_PARALLELISM,
     UPPER_BOUND_MAX_PARALLELISM,
     KeyedStage,
+    MaterialisationPolicy,
 )
 from pipelines.keyed._stage import check_stage_name
 
@@ -132,7 +133,9 @@ class StatefulPipeline:
     ``max_parallelism``: the number of key groups of every keyed stage (Flink's max
     parallelism), the most tasks a keyed stage can ever run on. It is fixed for the life of
     the pipeline's state: checkpoints record it, and state written with another cannot be
-    restored.
+    restored. ``materialisation``: when a keyed stage's chain of change files is replaced by
+    a full snapshot of its range (after ``every`` change files, or when they outgrow
+    ``ratio`` times the last snapshot).
 
     ``name`` is stable and readable (lowercase letters, digits, ``_``): the job id (and so the
     checkpoint directory) derives from it, every `_metadata` records it, and every Dagster
@@ -150,6 +153,7 @@ class StatefulPipeline:
     description: str | None = None
     deps: Sequence[dg.AssetsDefinition] = ()
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    materialisation: MaterialisationPolicy = MaterialisationPolicy()
     order: PartitionOrder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -175,6 +179,9 @@ class StatefulPipeline:
                 f"pipeline {self.name}: max_parallelism must be in [1, "
                 f"{UPPER_BOUND_MAX_PARALLELISM}], got {self.max_parallelism!r}"
             )
+        if not isinstance(self.materialisation, MaterialisationPolicy):
+            raise TypeError(f"pipeline {self.name}: materialisation must be a "
+                            "MaterialisationPolicy")
         seen: list[str] = []
         for stage in self.stages:
             if not isinstance(stage, Stage | KeyedStage):

@@ -53,6 +53,7 @@ from checkpoint_storage import (
     url_to_fs,
 )
 from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
+from pipelines.keyed import KeyedStage, KeyedStageDriver, KeyedStageState
 from pipelines.state_io import (
     HANDLE_ROW_SCHEMA,
     HANDLE_ROW_TYPE,
@@ -76,7 +77,6 @@ __all__ = [
     "StatefulRunner",
     "batches_digest",
     "check_restore_from",
-    "check_runnable",
     "empty_state",
     "job_id_for",
 ]
@@ -96,19 +96,6 @@ def job_id_for(pipeline_name: str) -> JobID:
     """A stable job id per pipeline, so that every run of it shares one checkpoint directory
     and recovery finds the previous runs' checkpoints."""
     return JobID.from_hex(hashlib.sha256(pipeline_name.encode()).hexdigest()[:32])
-
-
-def check_runnable(pipeline: StatefulPipeline) -> None:
-    """Refuses a pipeline this runner cannot run yet: keyed stages (``KeyedStage``) have their
-    spec, key groups, local store and change-file formats (``pipelines.keyed``), but the runner
-    does not execute them yet."""
-    if pipeline.keyed_stages:
-        names = ", ".join(stage.name for stage in pipeline.keyed_stages)
-        raise NotImplementedError(
-            f"pipeline {pipeline.name}: keyed stages ({names}) cannot run yet; the runner runs "
-            "DataFrame stages (Stage) only. Write the stage as a Stage for now (docs/design.md, "
-            "'Keyed state', says what is built)."
-        )
 
 
 def batches_digest(batches: Sequence[str]) -> str:
@@ -266,6 +253,11 @@ class StatefulRunner:
     ttl and a half, long enough for a crashed holder's lease to expire), then fails with
     ``JobLeaseHeldError`` naming the holder.
 
+    Keyed stages run on ``keyed_parallelism`` key group ranges (default: Spark's default
+    parallelism, at most the pipeline's ``max_parallelism``); state restored at another
+    parallelism is rescaled first. Their local stores live below ``keyed_local_dir`` on each
+    executor (default: its temp directory).
+
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
     state file is written."""
@@ -281,8 +273,9 @@ class StatefulRunner:
         lease_owner: str | None = None,
         lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
         lease_wait: float | None = None,
+        keyed_parallelism: int | None = None,
+        keyed_local_dir: str | None = None,
     ) -> None:
-        check_runnable(pipeline)
         self.spark = spark
         self.storage = storage
         self.pipeline = pipeline
@@ -298,6 +291,19 @@ class StatefulRunner:
         self._lease_owner = lease_owner
         self._lease_ttl = lease_ttl
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
+        self._keyed: KeyedStageDriver | None = None
+        if pipeline.keyed_stages:
+            parallelism = keyed_parallelism or min(
+                spark.sparkContext.defaultParallelism, pipeline.max_parallelism)
+            self._keyed = KeyedStageDriver(
+                spark, storage, str(self.job_id), pipeline.max_parallelism, parallelism,
+                pipeline.materialisation, keyed_local_dir)
+        # The next checkpoint's id and location, allocated by the first write into it (keyed
+        # stages write change files into it batch by batch).
+        self._pending: tuple[int, CheckpointStorageLocation] | None = None
+        # Whether keyed state was prepared (materialised or rescaled where due) since the
+        # last checkpoint: done once per interval, before anything is written into it.
+        self._interval_prepared = False
 
     @property
     def store(self) -> FileSystemCompletedCheckpointStore:
@@ -441,7 +447,7 @@ class StatefulRunner:
             position = SourcePosition(partition, len(batches), True, batches_digest(batches))
         for sink in self.pipeline.sinks:
             if sink.of == "state":
-                sink.write(self.spark, states[sink.stage], partition, None)
+                sink.write(self.spark, self._state_frame(states[sink.stage]), partition, None)
         final = self.checkpoint(states, position)
         taken.append(final)
         progress(_checkpoint_line(final))
@@ -469,8 +475,17 @@ class StatefulRunner:
         count = outputs[SOURCE].count()
         rows[SOURCE] += count
         for number, stage in enumerate(self.stages):
+            input = outputs[self.pipeline.input_of(number)]
+            if isinstance(stage, KeyedStage):
+                self._prepare_interval(states)
+                checkpoint_id, location = self._pending_location()
+                states[stage.name], output, _ = self._keyed.apply(
+                    states[stage.name], input, checkpoint_id, location.location_reference, index)
+                rows[stage.name] += output.count()
+                outputs[stage.name] = output
+                continue
             old = states[stage.name]
-            new_state, output = stage.apply(old, outputs[self.pipeline.input_of(number)])
+            new_state, output = stage.apply(old, input)
             # Materialise once and cut the lineage, so that state does not grow a plan of
             # every batch ever applied; the checkpoint then writes from these blocks.
             output = output.localCheckpoint(eager=True)
@@ -496,16 +511,43 @@ class StatefulRunner:
         )
         return self._last_checkpoint_id
 
+    def _pending_location(self) -> tuple[int, CheckpointStorageLocation]:
+        """The id and location of the next checkpoint, allocated on first use."""
+        if self._pending is None:
+            self._coordinate()
+            checkpoint_id = self.next_checkpoint_id()
+            self._pending = (checkpoint_id,
+                             self.access.initialize_location_for_checkpoint(checkpoint_id))
+        return self._pending
+
+    def _prepare_interval(self, states: dict) -> None:
+        """Once per checkpoint interval, before its first write: rescale keyed state to this
+        runner's parallelism, and materialise the ranges that are due (every range after a
+        NO_CLAIM restore, so the next checkpoint shares no file with the restored one)."""
+        if self._interval_prepared or self._keyed is None:
+            return
+        checkpoint_id, location = self._pending_location()
+        full = self.store.requires_full_checkpoint()
+        for stage in self.pipeline.keyed_stages:
+            states[stage.name], _ = self._keyed.prepare(
+                states[stage.name], checkpoint_id, location.location_reference, full=full)
+        self._interval_prepared = True
+
+    def _state_frame(self, state: "DataFrame | KeyedStageState") -> DataFrame:
+        """A stage's whole state as a DataFrame (a keyed stage's replayed from its chains)."""
+        return self._keyed.frame(state) if isinstance(state, KeyedStageState) else state
+
     def checkpoint(
         self, states: dict[str, DataFrame], position: SourcePosition
     ) -> CheckpointSummary:
-        self._coordinate()
-        checkpoint_id = self.next_checkpoint_id()
-        location = self.access.initialize_location_for_checkpoint(checkpoint_id)
+        self._prepare_interval(states)
+        checkpoint_id, location = self._pending_location()
+        self._pending = None
         summary, completed, metadata = self._snapshot(
             states, position, checkpoint_id, location, CheckpointProperties.for_checkpoint()
         )
         self.store.add_checkpoint(CompletedCheckpoint(completed, metadata))
+        self._interval_prepared = False
         return summary
 
     def take_savepoint(
@@ -525,7 +567,7 @@ class StatefulRunner:
                     "savepoint of: run the pipeline first"
                 )
             metadata = latest.metadata
-        states = self.restore_states(metadata)
+        states = self._restore(metadata)
         try:
             return self.savepoint(states, SourcePosition.of(metadata), metadata.checkpoint_id,
                                   target_directory)
@@ -565,6 +607,14 @@ class StatefulRunner:
         try:
             for stage in self.stages:
                 state = states[stage.name]
+                if isinstance(state, KeyedStageState):
+                    if properties.is_savepoint():  # self-contained: full snapshots inside it
+                        state = self._keyed.snapshot(state, checkpoint_id,
+                                                     location.location_reference)
+                    operator_states.append(state.operator_state())
+                    master.update(state.master_states())
+                    state_rows[stage.name] = state.rows
+                    continue
                 schema = to_arrow_schema(state.schema, timezone="UTC")
                 task = StateWriteTask(
                     self.storage,
@@ -636,10 +686,29 @@ class StatefulRunner:
     ) -> dict[str, DataFrame]:
         """The stages' state DataFrames from a snapshot: the executors read and verify
         their handles through fsspec (inline handles carry their bytes). Any parallelism:
-        one task per handle, then ``parallelism`` partitions when given."""
+        one task per handle (a keyed stage: per key group range), then ``parallelism``
+        partitions when given."""
+        states = {}
+        for name, state in self._restore(metadata, parallelism).items():
+            if isinstance(state, KeyedStageState):
+                frame = self._keyed.frame(state)
+                if parallelism is not None:
+                    frame = frame.repartition(parallelism)
+                state = frame.localCheckpoint(eager=True)
+            states[name] = state
+        return states
+
+    def _restore(
+        self, metadata: CheckpointMetadata, parallelism: int | None = None
+    ) -> dict[str, "DataFrame | KeyedStageState"]:
+        """The stages' states from a snapshot: DataFrames read by the executors, and keyed
+        stages' chains (their files are read when a task needs them)."""
         operators = {op.operator_id: op for op in metadata.operator_states}
         states = {}
         for stage in self.stages:
+            if isinstance(stage, KeyedStage):
+                states[stage.name] = self._keyed.restore(stage, metadata)
+                continue
             op = operators.get(stage.name)
             if op is None:
                 raise InvalidCheckpointError(
@@ -689,14 +758,15 @@ class StatefulRunner:
                                           self.order)
                 )
             checkpoint = self.store.restore(location, mode)
-            return checkpoint.external_pointer, self.restore_states(metadata), position
+            return checkpoint.external_pointer, self._restore(metadata), position
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)
             if position.fits(partition, self.order):
-                states = self.restore_states(checkpoint.metadata)
+                states = self._restore(checkpoint.metadata)
                 return checkpoint.external_pointer, states, position
         if self.order.previous(partition) is None:
-            fresh = {stage.name: empty_state(self.spark, stage) for stage in self.stages}
+            fresh = {stage.name: self._keyed.empty(stage) if isinstance(stage, KeyedStage)
+                     else empty_state(self.spark, stage) for stage in self.stages}
             return None, fresh, SourcePosition(partition, 0, False, batches_digest([]))
         raise MissingStateError(self._missing_state_message(partition))
 

@@ -4,7 +4,7 @@ with ``dagster.Definitions.merge``)."""
 
 import dagster as dg
 
-from pipelines import StatefulPipeline, check_runnable
+from pipelines import StatefulPipeline
 from sensors._assets import INTEGRITY_CHECK, build_stateful_assets
 from sensors.recovery import build_recovery_sensor
 from sensors.retention import RetentionPolicy, build_retention_sensor
@@ -37,7 +37,6 @@ def pipeline_definitions(
     Resources are the code location's: ``spark`` (``resources.SparkResource``) and
     ``checkpoint_storage`` (``resources.CheckpointStorageResource``).
     """
-    check_runnable(pipeline)
     name = pipeline.name
     stateful = build_stateful_assets(pipeline)
     job = dg.define_asset_job(

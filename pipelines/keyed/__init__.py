@@ -25,6 +25,7 @@ from pipelines.keyed._chain import (
     write_change_file,
     write_materialisation,
 )
+from pipelines.keyed._driver import KeyedStageDriver, KeyedStageState
 from pipelines.keyed._key_groups import (
     DEFAULT_MAX_PARALLELISM,
     KEY_HASH,
@@ -49,6 +50,7 @@ from pipelines.keyed._spark import (
     local_store_directory,
     materialise_keyed_state,
     ranges_to_materialise,
+    read_keyed_state,
 )
 from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
 from pipelines.keyed._store import (
@@ -74,6 +76,8 @@ __all__ = [
     "KeyedResult",
     "KeyedStage",
     "KeyedStageTask",
+    "KeyedStageDriver",
+    "KeyedStageState",
     "KeyedStateChain",
     "KeyedStateFormatError",
     "KeyedStateLayout",
@@ -97,6 +101,7 @@ __all__ = [
     "materialise_keyed_state",
     "ranges_to_materialise",
     "read_change_file",
+    "read_keyed_state",
     "read_materialisation",
     "rebuild_store",
     "remove_store",

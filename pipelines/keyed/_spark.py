@@ -26,6 +26,7 @@ from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 from pyspark import StorageLevel, TaskContext
 from pyspark.sql import DataFrame, SparkSession
@@ -42,6 +43,7 @@ from pipelines._handles import StateHandleRef
 from pipelines.keyed._chain import (
     KeyedStateChain,
     rebuild_store,
+    replay_chains,
     write_change_file,
     write_materialisation,
 )
@@ -67,6 +69,7 @@ __all__ = [
     "local_store_directory",
     "materialise_keyed_state",
     "ranges_to_materialise",
+    "read_keyed_state",
 ]
 
 OPERATOR_INDEX = "_operator_index"
@@ -83,6 +86,7 @@ _RESULT_SCHEMA = pa.schema([
     ("payload", pa.binary()),  # output rows as one Arrow IPC stream
     ("input_rows", pa.int64()),
     ("rows", pa.int64()),  # rows in the written file
+    ("state_rows", pa.int64()),  # the range's state rows after it
     ("rebuilt", pa.bool_()),
     ("rebuild_rows", pa.int64()),
     ("rebuild_seconds", pa.float64()),
@@ -253,6 +257,14 @@ def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Pa
     return store
 
 
+def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
+                 attempt: int) -> str:
+    """``<stage>-kg<start>-<end>-<kind><batch>-a<attempt>-``, the stage name shortened so
+    that the prefix fits the 64 characters a stream's name prefix may have."""
+    tail = f"-kg{key_groups.start}-{key_groups.end}-{kind}{task.batch}-a{attempt}-"
+    return task.stage.name[:64 - len(tail)] + tail
+
+
 def _context() -> tuple[int, int]:
     context = TaskContext.get()
     return (context.partitionId(), context.attemptNumber()) if context else (0, 0)
@@ -301,12 +313,12 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
             access = task.storage.create_checkpoint_storage(task.job_id)
             factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                                  task.reference)
-            change = write_change_file(
-                factory, layout, key_groups, upserts, result.deletes,
-                f"{stage.name}-kg{key_groups.start}-{key_groups.end}-b{task.batch}-a{attempt}-")
+            change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
+                                       _file_prefix(task, key_groups, "b", attempt))
             (chain,) = task.sources(key_groups)
             store.apply(upserts, result.deletes,
                         version=chain_version(key_groups, [chain.appended(change)]))
+            stats["state_rows"] = store.num_rows
         finally:
             store.close()
     output = _conform_output(result.output, task)
@@ -366,6 +378,7 @@ class KeyedRangeResult:
     rebuilt: bool
     rebuild_rows: int
     rebuild_seconds: float
+    state_rows: int
 
 
 @dataclass(frozen=True)
@@ -393,7 +406,8 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
         results[index] = KeyedRangeResult(
             index, task.key_groups(index), StateHandleRef(**ref).handle(options),
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
-            bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0)
+            bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
+            row["state_rows"] or 0)
     return [results[i] for i in sorted(results)]
 
 
@@ -444,8 +458,8 @@ def extend_chains(chains: Sequence[KeyedStateChain],
             raise ValueError(f"range {result.operator_index}: result of key groups "
                              f"{result.key_groups} for a chain of {chain.key_groups}")
         chains[result.operator_index] = (
-            chain.appended(result.handle) if result.kind == _CHANGE
-            else KeyedStateChain(result.key_groups, result.handle))
+            chain.appended(result.handle, result.state_rows) if result.kind == _CHANGE
+            else KeyedStateChain(result.key_groups, result.handle, (), result.state_rows))
     return chains
 
 
@@ -481,13 +495,27 @@ def ranges_to_materialise(chains: Sequence[KeyedStateChain],
     return [i for i, chain in enumerate(chains) if policy.due(chain)]
 
 
-def _materialise_ranges(task: KeyedStageTask,
+def _unexpired(batches: Iterator[pa.RecordBatch], layout: KeyedStateLayout,
+               cutoff: dt.datetime | None, counted: list[int]) -> Iterator[pa.RecordBatch]:
+    """``batches`` without the rows expired at ``cutoff`` (None: all), counting the rows."""
+    for batch in batches:
+        if cutoff is not None:
+            batch = batch.filter(pc.invert(layout.ttl.expired(
+                pa.Table.from_batches([batch]), cutoff).combine_chunks()))
+        counted[0] += batch.num_rows
+        yield batch
+
+
+def _materialise_ranges(task: KeyedStageTask, adopt: bool,
                         batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: for each operator index, bring the local store to the shipped
-    chains (rebuilding it from them, e.g. another parallelism's), write a sorted snapshot and
-    mark the store as holding the new one-snapshot chain."""
+    chains (rebuilding it from them, e.g. another parallelism's) and write a sorted snapshot
+    without expired rows. ``adopt``: the snapshot starts the range's new chain, so the store
+    drops the expired rows and is marked as holding it; otherwise (a savepoint) the store is
+    left as it is."""
     _, attempt = _context()
     layout = task.layout
+    cutoff = None if layout.ttl is None else layout.ttl.cutoff(task.now)
     for batch in batches:
         for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
             key_groups = task.key_groups(operator_index)
@@ -497,40 +525,79 @@ def _materialise_ranges(task: KeyedStageTask,
             with _Locked(directory):
                 store = _open_current(task, key_groups, directory, stats)
                 try:
-                    if layout.ttl is not None:
-                        store.drop_expired(layout.ttl.cutoff(task.now))
+                    if adopt and cutoff is not None:
+                        store.drop_expired(cutoff)
                     access = task.storage.create_checkpoint_storage(task.job_id)
                     factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                                          task.reference)
+                    written = [0]
                     handle = write_materialisation(
-                        factory, layout, key_groups, store.sorted_batches(),
-                        f"{task.stage.name}-kg{key_groups.start}-{key_groups.end}"
-                        f"-m{task.batch}-a{attempt}-")
-                    rows = store.num_rows
-                    store.apply(layout.stored_schema.empty_table(),
-                                layout.key_schema.empty_table(),
-                                version=chain_version(key_groups,
-                                                      [KeyedStateChain(key_groups, handle)]))
+                        factory, layout, key_groups,
+                        _unexpired(store.sorted_batches(), layout, cutoff, written),
+                        _file_prefix(task, key_groups, "m", attempt))
+                    if adopt:
+                        store.apply(layout.stored_schema.empty_table(),
+                                    layout.key_schema.empty_table(),
+                                    version=chain_version(key_groups,
+                                                          [KeyedStateChain(key_groups, handle)]))
                 finally:
                     store.close()
-            row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, rows, stats)
+            stats["state_rows"] = written[0]
+            row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, written[0],
+                              stats)
             yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)
 
 
-def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
-                            operator_indices: Sequence[int] | None = None
-                            ) -> list[KeyedRangeResult]:
-    """Write a snapshot of each range in ``operator_indices`` (all ranges if None) of
-    ``task.parallelism``, one Spark task per range; ``extend_chains`` with the results resets
-    their chains. With ``task.chains`` of another parallelism this is rescaling: every new
-    range is rebuilt from the chains it overlaps."""
+def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
+                          operator_indices: Sequence[int] | None) -> DataFrame | None:
+    """One row per operator index, one Spark partition each (None: no indices)."""
     indices = list(range(task.parallelism)) if operator_indices is None else list(
         operator_indices)
     if not indices:
-        return []
+        return None
     for index in indices:
         task.key_groups(index)  # checks the index
     frame = spark.createDataFrame([(i,) for i in indices], f"{OPERATOR_INDEX} int")
-    rows = frame.repartition(len(indices), OPERATOR_INDEX).mapInArrow(
-        partial(_materialise_ranges, task), from_arrow_schema(_RESULT_SCHEMA)).collect()
+    return frame.repartition(len(indices), OPERATOR_INDEX)
+
+
+def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
+                            operator_indices: Sequence[int] | None = None, *,
+                            adopt: bool = True) -> list[KeyedRangeResult]:
+    """Write a snapshot of each range in ``operator_indices`` (all ranges if None) of
+    ``task.parallelism``, one Spark task per range, expired rows left out. With ``adopt``
+    (periodic materialisation) ``extend_chains`` with the results resets their chains, and the
+    local stores hold the new chains; with ``task.chains`` of another parallelism this is
+    rescaling: every new range is rebuilt from the chains it overlaps. Without ``adopt`` (a
+    savepoint's full snapshot, written into ``task.reference``'s location) the stores and
+    chains are untouched."""
+    frame = _operator_index_frame(spark, task, operator_indices)
+    if frame is None:
+        return []
+    rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt),
+                            from_arrow_schema(_RESULT_SCHEMA)).collect()
     return _results(task, rows)
+
+
+def _replay_ranges(task: KeyedStageTask,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: each operator index's state rows (the state schema's columns),
+    replayed from the shipped chains; the local stores are not touched."""
+    layout = task.layout
+    target = _spark_arrow_schema(task.stage.state_schema)
+    for batch in batches:
+        for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
+            key_groups = task.key_groups(operator_index)
+            state = replay_chains(task.sources(key_groups), layout, key_groups)
+            state = state.select(target.names).cast(target)
+            yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)
+
+
+def read_keyed_state(spark: SparkSession, task: KeyedStageTask) -> DataFrame:
+    """The state of every range of ``task.parallelism`` as a DataFrame of the stage's state
+    schema, replayed from ``task.chains`` on the executors (one task per range). Rows that
+    expired but were not dropped yet are included: this is the state as checkpointed."""
+    frame = _operator_index_frame(spark, task, None)
+    target = _spark_arrow_schema(task.stage.state_schema)
+    return frame.mapInArrow(partial(_replay_ranges, task),
+                            from_arrow_schema(target, prefer_timestamp_ntz=False))

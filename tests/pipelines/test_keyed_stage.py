@@ -17,7 +17,6 @@ from pipelines import (
     KeyedStage,
     Stage,
     StatefulPipeline,
-    StatefulRunner,
     StateTtl,
     TtlTimeCharacteristic,
 )
@@ -183,14 +182,3 @@ def test_a_pipeline_refuses_bad_keyed_wiring(overrides, match):
     for keyed stages as for DataFrame stages."""
     with pytest.raises((ValueError, TypeError), match=match):
         pipeline(**overrides)
-
-
-def test_a_pipeline_with_keyed_stages_is_refused_by_the_runner_and_dagster_factory():
-    """Until the runner executes keyed stages, building runs or Dagster definitions of a pipeline
-    with one fails up front, naming the keyed stages."""
-    from sensors import pipeline_definitions
-
-    with pytest.raises(NotImplementedError, match=r"keyed stages \(clicks\) cannot run yet"):
-        pipeline_definitions(pipeline())
-    with pytest.raises(NotImplementedError, match=r"keyed stages \(clicks\) cannot run yet"):
-        StatefulRunner(None, None, pipeline())

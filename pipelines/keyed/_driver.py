@@ -1,0 +1,254 @@
+"""A keyed stage in a run, on the driver: its chains between checkpoints, its event-time
+clock, when its ranges are materialised or rescaled, and what a checkpoint records of it
+(docs/design.md, "Keyed state", 7.6).
+
+The runner holds one ``KeyedStageState`` per keyed stage where it holds a DataFrame for a
+DataFrame stage, and calls ``KeyedStageDriver`` to restore, prepare, apply and snapshot it.
+Materialisation happens only at the start of a checkpoint interval, when every change file in
+the chains is referenced by the last completed checkpoint: a snapshot never supersedes a file
+no checkpoint referenced, so nothing is written that only garbage collection would remove.
+"""
+
+import datetime as dt
+from dataclasses import dataclass, replace
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from checkpoint_storage import (
+    STATE_FORMAT_PREFIX,
+    STATE_SCHEMA_PREFIX,
+    CheckpointMetadata,
+    CheckpointStorage,
+    CheckpointStorageLocationReference,
+    InvalidCheckpointError,
+    OperatorState,
+)
+from pipelines.keyed._chain import (
+    CHAIN_FORMAT,
+    KEYED_STATE_PREFIX,
+    KeyedStateChain,
+    KeyedStateFormatError,
+    chains_from_operator_state,
+    chains_to_operator_state,
+    decode_keyed_master_state,
+    encode_keyed_master_state,
+)
+from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
+from pipelines.keyed._layout import KeyedStateLayout
+from pipelines.keyed._spark import (
+    KeyedRangeResult,
+    KeyedStageTask,
+    MaterialisationPolicy,
+    apply_keyed_batch,
+    extend_chains,
+    materialise_keyed_state,
+    ranges_to_materialise,
+    read_keyed_state,
+)
+from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
+
+__all__ = ["KeyedStageDriver", "KeyedStageState"]
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class KeyedStageState:
+    """One keyed stage's state in a run: the chains of its ranges (the last batch's, which
+    may reference change files no checkpoint has yet), and ``clock``, the newest event time
+    the stage has seen (event-time expiry; None otherwise)."""
+
+    stage: KeyedStage
+    max_parallelism: int
+    chains: tuple[KeyedStateChain, ...]
+    clock: dt.datetime | None = None
+
+    @property
+    def parallelism(self) -> int:
+        return len(self.chains)
+
+    @property
+    def rows(self) -> int:
+        """State rows (expired rows not yet dropped count); chains of unknown size count 0."""
+        return sum(chain.rows or 0 for chain in self.chains)
+
+    @property
+    def layout(self) -> KeyedStateLayout:
+        return KeyedStateLayout.of(self.stage, self.max_parallelism)
+
+    def unpersist(self) -> None:
+        """Nothing to release on the driver (the runner releases every stage's state alike)."""
+
+    def operator_state(self) -> OperatorState:
+        return chains_to_operator_state(self.stage.name, self.max_parallelism, self.chains)
+
+    def master_states(self) -> dict[str, bytes]:
+        """What a snapshot records of the stage besides its chains, for readers and restores:
+        its format, state schema, layout and clock."""
+        name = self.stage.name
+        return {
+            STATE_FORMAT_PREFIX + name: CHAIN_FORMAT.encode(),
+            STATE_SCHEMA_PREFIX + name: self.stage.state_schema.serialize().to_pybytes(),
+            KEYED_STATE_PREFIX + name: encode_keyed_master_state(self.layout, self.clock),
+        }
+
+
+def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain, ...]:
+    return tuple(KeyedStateChain(r.key_groups, r.handle, (), r.state_rows) for r in results)
+
+
+class KeyedStageDriver:
+    """Runs a pipeline's keyed stages for one runner: ``parallelism`` ranges per stage (a
+    restore at another parallelism is rescaled by materialising the new ranges), ``policy``
+    for periodic materialisation, local stores below ``local_dir`` on each executor (None:
+    its temp directory)."""
+
+    def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
+                 max_parallelism: int, parallelism: int, policy: MaterialisationPolicy,
+                 local_dir: str | None = None) -> None:
+        compute_key_group_range_for_operator_index(max_parallelism, parallelism, 0)
+        self.spark = spark
+        self.storage = storage
+        self.job_id = job_id
+        self.max_parallelism = max_parallelism
+        self.parallelism = parallelism
+        self.policy = policy
+        self.local_dir = local_dir
+
+    # --- states ----------------------------------------------------------------------------
+
+    def empty(self, stage: KeyedStage) -> KeyedStageState:
+        chains = tuple(KeyedStateChain(compute_key_group_range_for_operator_index(
+            self.max_parallelism, self.parallelism, i), None, (), 0)
+            for i in range(self.parallelism))
+        return KeyedStageState(stage, self.max_parallelism, chains)
+
+    def restore(self, stage: KeyedStage, metadata: CheckpointMetadata) -> KeyedStageState:
+        """The stage's state in ``metadata``: its chains (at the parallelism they were
+        written with) and clock; a clear error when the snapshot holds something else."""
+        where = f"checkpoint {metadata.checkpoint_id}, keyed stage {stage.name!r}"
+        operator = next((op for op in metadata.operator_states
+                         if op.operator_id == stage.name), None)
+        if operator is None:
+            raise InvalidCheckpointError(
+                f"{where}: no state for the stage (the checkpoint has "
+                f"{sorted(op.operator_id for op in metadata.operator_states)})")
+        recorded = metadata.master_states.get(STATE_FORMAT_PREFIX + stage.name, b"").decode(
+            errors="replace")
+        if recorded != CHAIN_FORMAT:
+            raise InvalidCheckpointError(
+                f"{where}: the snapshot holds the stage's state as {recorded or 'a DataFrame'}"
+                f", the stage is keyed ({CHAIN_FORMAT}); restore a snapshot written by the "
+                "keyed stage, or run the stage as it was")
+        if operator.max_parallelism != self.max_parallelism:
+            raise InvalidCheckpointError(
+                f"{where}: written with max_parallelism {operator.max_parallelism}, the "
+                f"pipeline has {self.max_parallelism}. The number of key groups is fixed for "
+                "the life of the state: set max_parallelism back to "
+                f"{operator.max_parallelism}")
+        try:
+            layout, clock = decode_keyed_master_state(
+                metadata.master_states.get(KEYED_STATE_PREFIX + stage.name, b""),
+                stage.state_schema, where)
+            chains = chains_from_operator_state(operator)
+        except KeyedStateFormatError as exc:
+            raise InvalidCheckpointError(str(exc)) from exc
+        if layout.key != stage.key:
+            raise InvalidCheckpointError(
+                f"{where}: the state is keyed by {list(layout.key)}, the stage by "
+                f"{list(stage.key)}")
+        stored = pa.ipc.read_schema(pa.py_buffer(
+            metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name, b"")))
+        if stored.names != stage.state_schema.names:
+            raise InvalidCheckpointError(
+                f"{where}: the state has columns {stored.names}, the stage now expects "
+                f"{stage.state_schema.names}")
+        return KeyedStageState(stage, self.max_parallelism, tuple(chains), clock)
+
+    # --- tasks -----------------------------------------------------------------------------
+
+    def _task(self, state: KeyedStageState, checkpoint_id: int,
+              reference: CheckpointStorageLocationReference, batch: int,
+              now: dt.datetime | None, parallelism: int | None = None) -> KeyedStageTask:
+        return KeyedStageTask(
+            self.storage, self.job_id, checkpoint_id, reference, state.stage,
+            state.stage.output_schema, self.max_parallelism,
+            parallelism or state.parallelism, state.chains, batch, now, self.local_dir)
+
+    def _now(self, state: KeyedStageState) -> dt.datetime | None:
+        """The expiry clock: the newest event time seen, or the wall clock."""
+        ttl = state.stage.ttl
+        if ttl is None:
+            return None
+        if ttl.time_characteristic is TtlTimeCharacteristic.PROCESSING_TIME:
+            return dt.datetime.now(dt.UTC)
+        return state.clock or _EPOCH
+
+    def prepare(self, state: KeyedStageState, checkpoint_id: int,
+                reference: CheckpointStorageLocationReference, *, full: bool = False
+                ) -> tuple[KeyedStageState, list[KeyedRangeResult]]:
+        """At the start of a checkpoint interval: rescale to this driver's parallelism, or
+        materialise every range (``full``: e.g. after a NO_CLAIM restore, whose shared files
+        the next checkpoint must not reference), or the ranges the policy says are due.
+        Snapshots are written into checkpoint ``checkpoint_id``'s shared state."""
+        now = self._now(state)
+        if full or state.parallelism != self.parallelism:
+            task = self._task(state, checkpoint_id, reference, 0, now, self.parallelism)
+            results = materialise_keyed_state(self.spark, task)
+            return replace(state, chains=_results_as_chains(results)), results
+        due = ranges_to_materialise(state.chains, self.policy)
+        if not due:
+            return state, []
+        task = self._task(state, checkpoint_id, reference, 0, now)
+        results = materialise_keyed_state(self.spark, task, due)
+        return replace(state, chains=tuple(extend_chains(state.chains, results))), results
+
+    def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
+              reference: CheckpointStorageLocationReference, batch: int
+              ) -> tuple[KeyedStageState, DataFrame, list[KeyedRangeResult]]:
+        """One batch: advance the event-time clock over the whole batch, drop rows behind
+        it, run the stage on every range with rows (their change files go to checkpoint
+        ``checkpoint_id``'s shared state); returns the new state, the output (cached, cut
+        from its lineage) and the ranges' results."""
+        stage = state.stage
+        clock = state.clock
+        if stage.event_time is not None:
+            if stage.event_time not in input.columns:
+                raise ValueError(f"keyed stage {stage.name}: event_time column "
+                                 f"{stage.event_time!r} is not in its input {input.columns}")
+            micros = F.unix_micros(F.col(stage.event_time))
+            newest = input.agg(F.max(micros)).first()[0]
+            if newest is not None:
+                seen = _EPOCH + dt.timedelta(microseconds=newest)
+                clock = seen if clock is None or seen > clock else clock
+            if stage.ttl is not None and clock is not None:
+                late = clock - stage.ttl.ttl
+                input = input.filter(micros >= (late - _EPOCH) // dt.timedelta(microseconds=1))
+        state = replace(state, clock=clock)
+        task = self._task(state, checkpoint_id, reference, batch, self._now(state))
+        result = apply_keyed_batch(input, task)
+        try:
+            output = result.output.localCheckpoint(eager=True)
+        finally:
+            result.release()
+        chains = tuple(extend_chains(state.chains, result.ranges))
+        return replace(state, chains=chains), output, result.ranges
+
+    def snapshot(self, state: KeyedStageState, checkpoint_id: int,
+                 reference: CheckpointStorageLocationReference) -> KeyedStageState:
+        """A self-contained copy for a savepoint: one full snapshot per range written into
+        ``reference``'s location, expired rows left out; the run's chains and local stores
+        are untouched."""
+        task = self._task(state, checkpoint_id, reference, 0, self._now(state))
+        results = materialise_keyed_state(self.spark, task, adopt=False)
+        return replace(state, chains=_results_as_chains(results))
+
+    def frame(self, state: KeyedStageState) -> DataFrame:
+        """The stage's whole state as a DataFrame of its state schema (for state sinks and
+        checks), replayed on the executors from the chains."""
+        task = self._task(state, 0, CheckpointStorageLocationReference.get_default(), 0,
+                          self._now(state))
+        return read_keyed_state(self.spark, task)
+

@@ -1,0 +1,259 @@
+"""Keyed stages run by the StatefulRunner on real Spark (local[2]): per-customer totals as a
+keyed stage, checked against a dict recomputation across checkpoints, restarts, rescaling,
+savepoints, NO_CLAIM restores and retention."""
+
+import random
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import dagster as dg
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import types as T
+
+from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode
+from pipelines import (
+    KeyedResult,
+    KeyedStage,
+    MaterialisationPolicy,
+    ParquetSink,
+    Source,
+    StatefulPipeline,
+    StatefulRunner,
+)
+from tests.pipelines.support import InjectedFault
+
+PARTITIONS = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
+BATCHES = 4
+ORDER_SCHEMA = T.StructType([
+    T.StructField("customer", T.StringType()),
+    T.StructField("amount", T.LongType()),
+])
+TOTALS = pa.schema([pa.field("customer", pa.string(), nullable=False),
+                    ("orders", pa.int64()), ("total", pa.int64())])
+
+
+@dataclass(frozen=True)
+class GeneratedOrders(Source):
+    """Orders made up from the batch id: the same batch always has the same rows."""
+
+    customers: int = 40
+    rows_per_batch: int = 60
+
+    def batches(self, spark, partition):
+        return [f"{partition}-{i:03d}" for i in range(BATCHES)]
+
+    def read(self, spark, partition, batch):
+        return spark.createDataFrame(self.rows(batch), ORDER_SCHEMA)
+
+    def rows(self, batch: str) -> list[tuple[str, int]]:
+        rng = random.Random(batch)
+        return [(f"c{rng.randrange(self.customers)}", rng.randrange(1, 100))
+                for _ in range(self.rows_per_batch)]
+
+
+def customer_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
+    batch = input.group_by("customer").aggregate([([], "count_all"), ("amount", "sum")])
+    joined = batch.join(state, "customer", join_type="left outer")
+    upserts = pa.table({
+        "customer": joined.column("customer"),
+        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
+        "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
+    })
+    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
+
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+SOURCE = GeneratedOrders()
+
+
+def totals_pipeline(tmp_path: Path, **options) -> StatefulPipeline:
+    options = {"checkpoint_interval": 2, "max_parallelism": 16,
+               "materialisation": MaterialisationPolicy(every=3, min_bytes=0)} | options
+    return StatefulPipeline(
+        name="keyed_totals",
+        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
+        source=SOURCE,
+        partitions=PARTITIONS,
+        sinks=[ParquetSink(name="totals_state", stage="totals", of="state",
+                             url=str(tmp_path / "sink"))],
+        **options,
+    )
+
+
+def expected(partitions: list[str], batches: int = BATCHES) -> dict[str, tuple[int, int]]:
+    """Per customer (orders, total) after ``batches`` batches of each partition."""
+    orders, total = Counter(), Counter()
+    for partition in partitions:
+        for batch in SOURCE.batches(None, partition)[:batches]:
+            for customer, amount in SOURCE.rows(batch):
+                orders[customer] += 1
+                total[customer] += amount
+    return {c: (orders[c], total[c]) for c in orders}
+
+
+def storage_of(tmp_path: Path, **options) -> FileSystemCheckpointStorage:
+    return FileSystemCheckpointStorage(
+        str(tmp_path / "checkpoints"), savepoint_dir=str(tmp_path / "savepoints"),
+        **({"file_state_size_threshold": 0} | options))
+
+
+def runner_of(spark, tmp_path: Path, pipeline=None, **options) -> StatefulRunner:
+    return StatefulRunner(spark, storage_of(tmp_path), pipeline or totals_pipeline(tmp_path),
+                          keyed_local_dir=str(tmp_path / "local"), **options)
+
+
+def state_of(runner: StatefulRunner, metadata=None) -> dict[str, tuple[int, int]]:
+    metadata = metadata or runner.store.latest().metadata
+    frame = runner.restore_states(metadata)["totals"]
+    rows = frame.collect()
+    assert len(rows) == len({r["customer"] for r in rows}), "a key is in the state twice"
+    return {r["customer"]: (r["orders"], r["total"]) for r in rows}
+
+
+def shared_files(tmp_path: Path, runner: StatefulRunner) -> set[str]:
+    shared = tmp_path / "checkpoints" / str(runner.job_id) / "shared"
+    return {str(p) for p in shared.rglob("*") if p.is_file()}
+
+
+def referenced_files(runner: StatefulRunner) -> set[str]:
+    return {h.path for c in runner.store.all() for h in c.metadata.all_handles()
+            if hasattr(h, "path")}
+
+
+def test_partitions_equal_a_recomputation_and_the_state_sink_writes_it(spark, tmp_path):
+    """Two partitions of a keyed stage: the checkpointed state and the state sink equal a
+    dict recomputation, and the recorded row count is the state's."""
+    runner = runner_of(spark, tmp_path)
+
+    results = runner.run(["p1", "p2"])
+
+    assert expected(["p1", "p2"]) == state_of(runner)
+    assert len(expected(["p1", "p2"])) == results[-1].checkpoint.state_rows["totals"]
+    sink = pd.read_parquet(tmp_path / "sink" / "partition=p2")
+    assert expected(["p1", "p2"]) == {r.customer: (r.orders, r.total)
+                                      for r in sink.itertuples()}
+
+
+def test_a_run_killed_mid_partition_resumes_exactly_once(spark, tmp_path):
+    """A failure after batch 3 of p2 (a checkpoint after batch 2) and a new runner: every
+    order is counted once."""
+    def fail(point, **info):
+        if point == "batch_applied" and info["partition"] == "p2" and info["batch"] == 2:
+            raise InjectedFault("killed")
+
+    with pytest.raises(InjectedFault):
+        runner_of(spark, tmp_path, fault_hook=fail).run(["p1", "p2"])
+    resumed = runner_of(spark, tmp_path)
+
+    results = resumed.run(["p2"])
+
+    assert 2 == results[0].batches_applied
+    assert expected(["p1", "p2"]) == state_of(resumed)
+
+
+def test_rescaling_2_3_2_equals_a_recomputation(spark, tmp_path):
+    """p1 on 2 ranges, p2 on 3, p3 on 2: the state equals a recomputation after each, and the
+    checkpoints record the new parallelism."""
+    for partition, parallelism in (("p1", 2), ("p2", 3), ("p3", 2)):
+        runner = runner_of(spark, tmp_path, keyed_parallelism=parallelism)
+        runner.run([partition])
+        operator = runner.store.latest().metadata.operator_states[0]
+        assert (parallelism, 16) == (operator.parallelism, operator.max_parallelism)
+        done = ["p1", "p2", "p3"][: ["p1", "p2", "p3"].index(partition) + 1]
+        assert expected(done) == state_of(runner)
+
+
+def test_another_max_parallelism_is_refused(spark, tmp_path):
+    """State written with 16 key groups is not restored by a pipeline with 32."""
+    runner_of(spark, tmp_path).run(["p1"])
+    other = runner_of(spark, tmp_path, totals_pipeline(tmp_path, max_parallelism=32))
+
+    with pytest.raises(Exception, match="max_parallelism 16, the pipeline has 32"):
+        other.run(["p2"])
+
+
+def test_a_savepoint_is_self_contained_parquet_and_restores(spark, tmp_path):
+    """A savepoint holds one Parquet snapshot per range inside its directory (pandas reads
+    it), and a new job restored from it in NO_CLAIM mode continues exactly."""
+    runner = runner_of(spark, tmp_path)
+    runner.run(["p1"])
+    summary = runner.take_savepoint()
+
+    files = sorted(p for p in Path(summary.pointer).rglob("*") if p.is_file()
+                   and p.name != "_metadata")
+    snapshot = pd.concat([pd.read_parquet(p) for p in files])
+    assert expected(["p1"]) == {r.customer: (r.orders, r.total)
+                                for r in snapshot.itertuples()}
+    assert 2 == len(files)
+
+    other = tmp_path / "other"
+    restored = runner_of(spark, other)
+    restored.run(["p2"], restore_from=summary.pointer, restore_mode=RestoreMode.NO_CLAIM)
+    assert expected(["p1", "p2"]) == state_of(restored)
+
+
+def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, tmp_path):
+    """After a NO_CLAIM restore of a checkpoint, the first checkpoint references none of the
+    restored checkpoint's files (its ranges are materialised first)."""
+    runner = runner_of(spark, tmp_path)
+    runner.run(["p1"])
+    restored_from = runner.store.latest()
+    restored_files = {h.path for h in restored_from.metadata.all_handles() if hasattr(h, "path")}
+
+    again = runner_of(spark, tmp_path)
+    again.run(["p2"], restore_from=restored_from.external_pointer,
+              restore_mode=RestoreMode.NO_CLAIM)
+
+    first = [c for c in again.store.all() if c.checkpoint_id > restored_from.checkpoint_id][0]
+    assert set() == restored_files & {h.path for h in first.metadata.all_handles()
+                                      if hasattr(h, "path")}
+    assert expected(["p1", "p2"]) == state_of(again)
+
+
+def test_the_job_directory_holds_only_what_retained_checkpoints_reference(spark, tmp_path):
+    """Three partitions, a checkpoint every batch, materialisation every 3 change files,
+    retention 2: the shared directory holds exactly the files of the retained checkpoints."""
+    pipeline = totals_pipeline(tmp_path, checkpoint_interval=1, max_retained_checkpoints=2)
+    runner = runner_of(spark, tmp_path, pipeline)
+
+    runner.run(["p1", "p2", "p3"])
+    runner.store.shared_state_registry.wait_for_pending_deletions()
+
+    assert referenced_files(runner) == shared_files(tmp_path, runner)
+    assert expected(["p1", "p2", "p3"]) == state_of(runner)
+    chains = runner.store.latest().metadata.operator_states[0].subtask_states.values()
+    assert all(len(c.handles) <= 3 for c in chains)
+
+
+def test_inline_change_files_restore(spark, tmp_path):
+    """Under a large inline threshold every change file lives in `_metadata`; the state
+    still equals a recomputation after a restart."""
+    storage = storage_of(tmp_path, file_state_size_threshold=100_000)
+    StatefulRunner(spark, storage, totals_pipeline(tmp_path),
+                   keyed_local_dir=str(tmp_path / "local")).run(["p1"])
+    runner = StatefulRunner(spark, storage, totals_pipeline(tmp_path),
+                            keyed_local_dir=str(tmp_path / "local2"))
+    runner.run(["p2"])
+
+    assert expected(["p1", "p2"]) == state_of(runner)
+    assert not shared_files(tmp_path, runner)
+
+
+def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
+    """A second runner on other executors' local directories (nothing local) rebuilds every
+    range from the chains and continues exactly."""
+    runner_of(spark, tmp_path).run(["p1"])
+    runner = StatefulRunner(spark, storage_of(tmp_path), totals_pipeline(tmp_path),
+                            keyed_local_dir=str(tmp_path / "elsewhere"))
+
+    runner.run(["p2"])
+
+    assert expected(["p1", "p2"]) == state_of(runner)
+
+

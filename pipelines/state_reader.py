@@ -11,14 +11,21 @@ How a stage's state is stored decides how it is read: ``STATE_FORMATS`` maps the
 snapshot records for a stage (master state ``state-format/<stage>``; absent: a DataFrame
 stage, one Parquet file per Spark task) to how it splits into ``StatePart``\\ s and how a part
 is read. A part is plain data, so a part can be read on another machine (the Spark data
-source reads one per task). Keyed state (a Parquet snapshot per key-group range plus change
-files) adds a format here.
+source reads one per task).
 
-This module needs pyarrow and checkpoint_storage only, never a SparkSession.
+Keyed stages (``CHAIN_FORMAT``, ``keyed-v1``) have one part per key group range: the range's
+chain (its materialisation, then its change files) replayed, every file verified as a
+DataFrame stage's are. They return the state schema's columns only, and under a TTL never
+the rows that had expired when the snapshot was taken (event time: against the stage's clock
+recorded in the snapshot; processing time: against the snapshot's timestamp).
+
+This module needs pyarrow, checkpoint_storage and the Spark-free core of
+``pipelines.keyed`` only, never a SparkSession.
 """
 
 import datetime as dt
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -31,12 +38,26 @@ from checkpoint_storage import (
     CheckpointMetadata,
     InvalidCheckpointError,
     OperatorState,
+    OperatorSubtaskState,
     StateIntegrityError,
+    StreamStateHandle,
     resolve_checkpoint_pointer,
 )
 from pipelines._handles import StateHandleRef
+from pipelines.keyed import (
+    CHAIN_FORMAT,
+    KEYED_STATE_PREFIX,
+    KeyedStateChain,
+    KeyedStateFormatError,
+    KeyedStateLayout,
+    TtlTimeCharacteristic,
+    chains_from_operator_state,
+    decode_keyed_master_state,
+    replay_chains,
+)
 
 __all__ = [
+    "CHAIN_FORMAT",
     "DATAFRAME_STATE",
     "STATE_FORMAT_PREFIX",
     "STATE_FORMATS",
@@ -70,24 +91,32 @@ class StateReadError(OSError):
 @dataclass(frozen=True)
 class StatePart:
     """One unit of reading a stage's state: plain data, picklable, free of credentials. A
-    DataFrame stage has one part per state handle (per Spark task that wrote it)."""
+    DataFrame stage has one part per state handle (per Spark task that wrote it), a keyed
+    stage one per key group range (its chain's handles, in order)."""
 
     stage: str
     format: str
     subtask: int
     handles: tuple[StateHandleRef, ...]
+    properties: tuple[tuple[str, str], ...] = ()
+    """What else the format needs to read the part, as text (a keyed part: its chain's
+    subtask properties, the stage's ``keyed-state/<stage>`` description and the snapshot's
+    time)."""
 
 
 @dataclass(frozen=True)
 class StateFormat:
-    """How state of one format is read: ``parts(stage, operator_state)`` splits it into parts,
+    """How state of one format is read: ``parts(stage, operator_state, metadata)`` splits it
+    into parts (``metadata``: the snapshot's, for its master states and time),
     ``read(part, schema, storage_options)`` reads one part into a table of ``schema``."""
 
-    parts: Callable[[str, OperatorState], list[StatePart]]
+    parts: Callable[[str, OperatorState, CheckpointMetadata], list[StatePart]]
     read: Callable[[StatePart, pa.Schema, Mapping], pa.Table]
 
 
-def _dataframe_parts(stage: str, operator: OperatorState) -> list[StatePart]:
+def _dataframe_parts(
+    stage: str, operator: OperatorState, metadata: CheckpointMetadata
+) -> list[StatePart]:
     return [
         StatePart(stage, DATAFRAME_STATE, subtask, (StateHandleRef.of(handle),))
         for subtask, state in sorted(operator.subtask_states.items())
@@ -100,17 +129,124 @@ def _read_dataframe_part(part: StatePart, schema: pa.Schema, options: Mapping) -
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 
+# The keyed part's properties the reader adds to its chain's subtask properties.
+_KEYED_STATE = "reader.keyed_state"  # the stage's ``keyed-state/<stage>`` master state
+_SNAPSHOT_TIME = "reader.timestamp_ms"  # the snapshot's time: "now" for processing-time TTL
+
+
+def _keyed_parts(
+    stage: str, operator: OperatorState, metadata: CheckpointMetadata
+) -> list[StatePart]:
+    described = metadata.master_states.get(KEYED_STATE_PREFIX + stage)
+    if described is None:
+        raise InvalidCheckpointError(
+            f"stage {stage!r} has keyed state ({CHAIN_FORMAT}) but no "
+            f"{KEYED_STATE_PREFIX + stage!r} master state describing its key and expiry: "
+            "the snapshot is incomplete; read another checkpoint or savepoint"
+        )
+    try:
+        chains = chains_from_operator_state(operator)
+    except KeyedStateFormatError as exc:
+        raise InvalidCheckpointError(f"stage {stage!r}: {exc}") from exc
+    added = [(_KEYED_STATE, described.decode(errors="replace"))]
+    if metadata.timestamp_ms is not None:
+        added.append((_SNAPSHOT_TIME, str(metadata.timestamp_ms)))
+    return [
+        StatePart(
+            stage, CHAIN_FORMAT, index, tuple(StateHandleRef.of(h) for h in chain.handles),
+            (*sorted(operator.subtask_states[index].properties.items()), *added),
+        )
+        for index, chain in enumerate(chains)
+    ]
+
+
+def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa.Table:
+    """The live rows of one key group range: its chain replayed, every file verified as it is
+    read; the state schema's columns only (no ``_written_at``), rows expired at the
+    snapshot's time left out."""
+    properties = dict(part.properties)
+    described = properties.pop(_KEYED_STATE, "").encode()
+    snapshot_time = properties.pop(_SNAPSHOT_TIME, None)
+    where = f"stage {part.stage!r} subtask {part.subtask}"
+    handles = []
+    for ref in part.handles:
+        with _named_state_errors(part.stage, ref.describe()):
+            handles.append(ref.handle(options))
+    try:
+        layout, clock = decode_keyed_master_state(described, schema, where)
+        chain = KeyedStateChain.from_subtask_state(OperatorSubtaskState(handles, properties),
+                                                   where)
+        stored = replay_chains(
+            [chain], layout, chain.key_groups,
+            read_bytes=lambda handle: _read_handle_bytes(part.stage, handle, options),
+        )
+    except InvalidCheckpointError:
+        raise  # a corrupt or missing file, already named
+    except ValueError as exc:  # KeyedStateFormatError and the like: a foreign file
+        raise InvalidCheckpointError(f"stage {part.stage!r}: {exc}") from exc
+    live = _unexpired(stored, layout, clock, snapshot_time)
+    return _as_schema(part.stage, live, schema, f"key group range {chain.key_groups}")
+
+
+def _unexpired(
+    stored: pa.Table, layout: KeyedStateLayout, clock: dt.datetime | None,
+    snapshot_time: str | None,
+) -> pa.Table:
+    """``stored`` without the rows expired at the snapshot: event time against the stage's
+    recorded clock, processing time against the snapshot's timestamp (no clock or no
+    timestamp: nothing has expired that the reader could tell)."""
+    ttl = layout.ttl
+    if ttl is None:
+        return stored
+    if ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
+        now = clock
+    else:
+        now = None if snapshot_time is None else _EPOCH + dt.timedelta(
+            milliseconds=int(snapshot_time))
+    if now is None:
+        return stored
+    return stored.filter(pc.invert(ttl.expired(stored, ttl.cutoff(now))))
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _as_schema(stage: str, table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
+    """``table`` as ``schema``: its columns selected (the formats' own columns dropped)."""
+    if table.schema == schema:
+        return table
+    try:
+        return table.select(schema.names).cast(schema)
+    except (KeyError, pa.ArrowInvalid, ValueError) as exc:
+        raise InvalidCheckpointError(
+            f"stage {stage!r}: {what} has columns {table.schema.names}, which do not "
+            f"fit the stage's recorded schema {schema.names} ({exc})"
+        ) from exc
+
+
 STATE_FORMATS: dict[str, StateFormat] = {
     DATAFRAME_STATE: StateFormat(_dataframe_parts, _read_dataframe_part),
+    CHAIN_FORMAT: StateFormat(_keyed_parts, _read_keyed_part),
 }
 
 
 def _read_bytes(stage: str, ref: StateHandleRef, options: Mapping) -> bytes:
     """The whole state of ``ref``, its size and checksum verified; errors name the file."""
-    what = ref.describe()
+    with _named_state_errors(stage, ref.describe()), ref.handle(options).open() as f:
+        return f.read()
+
+
+def _read_handle_bytes(stage: str, handle: StreamStateHandle, options: Mapping) -> bytes:
+    return _read_bytes(stage, StateHandleRef.of(handle), options)
+
+
+@contextmanager
+def _named_state_errors(stage: str, what: str) -> Iterator[None]:
+    """Reading state file ``what``: a corrupt file is a StateIntegrityError, a missing one an
+    InvalidCheckpointError, any other I/O failure a StateReadError, each naming the stage and
+    the file."""
     try:
-        with ref.handle(options).open() as f:
-            return f.read()
+        yield
     except StateIntegrityError as exc:
         raise StateIntegrityError(
             f"stage {stage!r}: {exc} (read another checkpoint or savepoint; `checkpoints "
@@ -137,15 +273,7 @@ def _read_parquet(stage: str, ref: StateHandleRef, schema: pa.Schema, options) -
             f"stage {stage!r}: {ref.describe()} is not a valid Parquet file ({exc}): the state "
             "is corrupt; read another checkpoint or savepoint"
         ) from exc
-    if table.schema == schema:
-        return table
-    try:
-        return table.select(schema.names).cast(schema)
-    except (KeyError, pa.ArrowInvalid, ValueError) as exc:
-        raise InvalidCheckpointError(
-            f"stage {stage!r}: {ref.describe()} has columns {table.schema.names}, which do not "
-            f"fit the stage's recorded schema {schema.names} ({exc})"
-        ) from exc
+    return _as_schema(stage, table, schema, ref.describe())
 
 
 def read_state_part(
@@ -219,6 +347,11 @@ class PipelineSnapshot:
         ``state-schema/<stage>``); snapshots from before it was recorded: the first part's."""
         operator = self._operator(stage)
         stored = self.metadata.master_states.get(STATE_SCHEMA_PREFIX + stage)
+        if stored is None and self.state_format(stage) != DATAFRAME_STATE:
+            raise InvalidCheckpointError(
+                f"{self.pointer}: stage {stage!r} records no schema "
+                f"({STATE_SCHEMA_PREFIX + stage!r}); its state cannot be decoded without it"
+            )
         if stored is not None:
             try:
                 return pa.ipc.read_schema(pa.py_buffer(stored))
@@ -238,7 +371,9 @@ class PipelineSnapshot:
     def parts(self, stage: str) -> list[StatePart]:
         """The stage's state as independently readable parts (``read_state_part``)."""
         operator = self._operator(stage)
-        return _state_format(self.state_format(stage), stage).parts(stage, operator)
+        return _state_format(self.state_format(stage), stage).parts(
+            stage, operator, self.metadata
+        )
 
     def read(
         self,
@@ -249,7 +384,10 @@ class PipelineSnapshot:
     ) -> pa.Table:
         """The stage's rows, every part verified as it is read. ``where`` keeps the rows
         whose columns equal the given values (converted to each column's type; ``None``
-        matches nulls); ``limit`` stops after that many rows."""
+        matches nulls); ``limit`` stops after that many rows. A keyed stage's rows are
+        its live state: rows expired under its TTL when the snapshot was taken are left
+        out (event time: the clock the snapshot records; processing time: the snapshot's
+        timestamp as now)."""
         schema = self.schema(stage)
         condition = _equality_filter(schema, where or {})
         if limit is not None and limit < 0:
@@ -336,6 +474,7 @@ def read_state(
     limit: int | None = None,
 ) -> pa.Table:
     """The rows of ``stage``'s state in the snapshot at ``pointer``, as an Arrow table with
-    the stage's schema (see ``PipelineSnapshot.read``)."""
+    the stage's schema (see ``PipelineSnapshot.read``; a keyed stage without the rows that
+    had expired under its TTL at the snapshot's time)."""
     snapshot = open_snapshot(pointer, storage_options=storage_options)
     return snapshot.read(stage, where=where, limit=limit)

@@ -26,7 +26,7 @@ reader checks them, so a file of another stage or range is refused instead of mi
 
 import datetime as dt
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -311,17 +311,31 @@ def _checked_sorted(batches: Iterable[pa.RecordBatch], key_groups: KeyGroupRange
         yield batch
 
 
-def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
-          key_groups: KeyGroupRange, wanted: KeyGroupRange | None) -> pa.Table:
-    what = f"keyed state {kind} file {_describe(handle)}"
+ReadBytes = Callable[[StreamStateHandle], bytes]
+"""Reads a handle's bytes whole, verified; raises the caller's own errors (the state reader
+maps a missing or corrupt file to its exceptions, naming the stage)."""
+
+
+def _verified_bytes(handle: StreamStateHandle, what: str) -> bytes:
     try:
         with handle.open() as f:
-            data = f.read()  # verifies the handle's size and CRC-32
+            return f.read()  # verifies the handle's size and CRC-32
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{what} is missing: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise KeyedStateFormatError(f"{what} is unreadable ({type(exc).__name__}: {exc}); "
+                                    "restore from an earlier checkpoint or a savepoint") from exc
+
+
+def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
+          key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
+          read_bytes: ReadBytes | None = None) -> pa.Table:
+    what = f"keyed state {kind} file {_describe(handle)}"
+    data = _verified_bytes(handle, what) if read_bytes is None else read_bytes(handle)
+    try:
         parquet = pq.ParquetFile(pa.BufferReader(data))
         metadata = parquet.schema_arrow.metadata or {}
         identity = json.loads(metadata[_META_KEY]) if _META_KEY in metadata else None
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{what} is missing: {exc}") from exc
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({type(exc).__name__}: {exc}); "
                                     "restore from an earlier checkpoint or a savepoint") from exc
@@ -353,19 +367,23 @@ def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
 
 
 def read_materialisation(handle: StreamStateHandle, layout: KeyedStateLayout,
-                         key_groups: KeyGroupRange,
-                         wanted: KeyGroupRange | None = None) -> pa.Table:
-    """The stored rows of a materialisation (of ``wanted`` key groups only, if given)."""
-    return layout.conform(_read(handle, layout, _MATERIALISATION, key_groups, wanted),
-                          _describe(handle))
+                         key_groups: KeyGroupRange, wanted: KeyGroupRange | None = None,
+                         *, read_bytes: ReadBytes | None = None) -> pa.Table:
+    """The stored rows of a materialisation (of ``wanted`` key groups only, if given).
+    ``read_bytes``: how to read the handle (default: its ``open()``, which verifies it)."""
+    return layout.conform(
+        _read(handle, layout, _MATERIALISATION, key_groups, wanted, read_bytes),
+        _describe(handle))
 
 
 def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
-                  wanted: KeyGroupRange) -> pa.Table:
+                  wanted: KeyGroupRange, *, read_bytes: ReadBytes | None = None) -> pa.Table:
     """The state of the ``wanted`` key groups from the chains that overlap them: each chain's
     materialisation, then its change files in order (a later row for a key wins, a delete
     removes it). Rescaling is this with the new task's range: chains are disjoint, so each
-    key comes from exactly one chain."""
+    key comes from exactly one chain. ``read_bytes``: how to read a handle (default: its
+    ``open()``, which verifies its size and CRC-32; a missing file is a FileNotFoundError,
+    any other failure a KeyedStateFormatError, both naming the file)."""
     key = list(layout.key)
     parts = []
     for chain in chains:
@@ -374,13 +392,13 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
             continue
         state = (layout.stored_schema.empty_table() if chain.materialisation is None
                  else read_materialisation(chain.materialisation, layout, chain.key_groups,
-                                           overlap))
+                                           overlap, read_bytes=read_bytes))
         if not chain.changes:
             parts.append(state)
             continue
         changes = []
         for sequence, change in enumerate(chain.changes):
-            table = _read(change, layout, _CHANGE, chain.key_groups, overlap)
+            table = _read(change, layout, _CHANGE, chain.key_groups, overlap, read_bytes)
             changes.append(table.append_column("_sequence", pa.repeat(sequence, table.num_rows)))
         changes = pa.concat_tables(changes)
         # the last change per key (files in order; a key is once per file)

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from checkpoint_storage import (
     JOB_NAME_STATE,
+    STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
     CheckpointMetadata,
     InvalidCheckpointError,
@@ -73,8 +74,8 @@ __all__ = [
     "state_stages",
 ]
 
-# ``state-format/<stage>``: how the stage's state is stored (a key of STATE_FORMATS), as text.
-STATE_FORMAT_PREFIX = "state-format/"
+# STATE_FORMAT_PREFIX, ``state-format/<stage>``: how the stage's state is stored (a key of
+# STATE_FORMATS), as text.
 # The format of a stage without a ``state-format/<stage>`` master state: a DataFrame stage's
 # state, one Parquet file per Spark task (inline when small).
 DATAFRAME_STATE = "dataframe"

@@ -9,24 +9,52 @@ output)``, testable without Dagster or checkpoints.
 
 Amounts are decimals, so sums are exact whatever the partitioning: a recovered run and an
 uninterrupted one agree to the cent.
+
+``KEYED_STAGES`` are the same two stages as keyed stages (``pipelines.keyed``, docs/design.md
+section 7): pure Arrow functions of one batch and the state of its keys. They compute what
+``STAGES`` compute (tests/pipelines/test_click_events_keyed.py), with these differences, none
+reachable from this pipeline's source, whose schema (``EVENT_ARROW_SCHEMA``) is not-null in
+every column, so a null anywhere fails the read before either stage:
+
+- Null keys: the keyed layer refuses a null ``event_id`` or ``user_id``; ``dedupe`` would
+  pass a null-id event on at every delivery, ``user_activity`` would count a null user.
+- Null ``event_ts``: ``dedupe_events`` drops the row; ``dedupe`` drops it too, except in a
+  batch with no timestamp at all and no state (no watermark), which it passes on whole.
+- An ``event_id`` delivered with different contents (not a re-delivery): ``dedupe`` keeps an
+  arbitrary row of a batch's copies (``dropDuplicates``), ``dedupe_events`` the first not
+  too late; and a copy whose id is still in ``dedupe``'s state, though behind the horizon,
+  is dropped by ``dedupe`` and passed on by the keyed stage (that state has expired).
 """
 
 import datetime as dt
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from pipelines import Stage
+from pipelines.keyed import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
 
 __all__ = [
+    "DEDUPE_KEYED",
+    "DEDUPE_KEYED_STATE_SCHEMA",
+    "DEDUPE_OUTPUT_SCHEMA",
     "DEDUPE_RETENTION",
     "DEDUPE_STATE_SCHEMA",
     "EVENT_SCHEMA",
+    "KEYED_STAGES",
     "STAGES",
+    "USER_ACTIVITY_KEYED",
+    "USER_ACTIVITY_KEYED_STATE_SCHEMA",
+    "USER_ACTIVITY_OUTPUT_SCHEMA",
     "USER_ACTIVITY_STATE_SCHEMA",
     "dedupe",
+    "dedupe_events",
     "user_activity",
+    "user_activity_totals",
 ]
 
 EVENT_SCHEMA = T.StructType(
@@ -107,3 +135,114 @@ STAGES: tuple[Stage, ...] = (
     Stage("dedupe", DEDUPE_STATE_SCHEMA, dedupe),
     Stage("user_activity", USER_ACTIVITY_STATE_SCHEMA, user_activity),
 )
+
+
+# --- keyed stages ------------------------------------------------------------------------
+# The Spark schemas above as Spark hands them to Arrow (timestamps in UTC); the state keys are
+# not null, as the keyed layer requires.
+
+_TS = pa.timestamp("us", tz="UTC")
+DEDUPE_OUTPUT_SCHEMA = pa.schema(
+    [
+        ("event_id", pa.string()),
+        ("user_id", pa.string()),
+        ("event_ts", _TS),
+        ("amount", pa.decimal128(12, 2)),
+    ]
+)
+"""The output of both dedupe stages (``EVENT_SCHEMA``)."""
+DEDUPE_KEYED_STATE_SCHEMA = pa.schema(
+    [pa.field("event_id", pa.string(), nullable=False), ("event_ts", _TS)]
+)
+USER_ACTIVITY_OUTPUT_SCHEMA = pa.schema(
+    [
+        ("user_id", pa.string()),
+        pa.field("event_count", pa.int64(), nullable=False),
+        ("amount_sum", pa.decimal128(22, 2)),
+        ("first_seen", _TS),
+        ("last_seen", _TS),
+    ]
+)
+"""The output of both user_activity stages: this input's per-user aggregates (a count is
+never null, in Spark's output too)."""
+USER_ACTIVITY_KEYED_STATE_SCHEMA = pa.schema(
+    [USER_ACTIVITY_OUTPUT_SCHEMA.field("user_id").with_nullable(False)]
+    + list(USER_ACTIVITY_OUTPUT_SCHEMA)[1:]
+)
+
+
+def dedupe_events(input: pa.Table, state: pa.Table) -> KeyedResult:
+    """Keyed ``dedupe`` for one batch: the input's events whose id has no state, each once
+    (the first delivery in the batch), are the output and the new state rows. Rows without
+    an ``event_ts`` are dropped. Events too late and expired ids never get here: the runner
+    drops input behind the clock (the newest ``event_ts`` seen) minus ``DEDUPE_RETENTION``
+    and expires state rows as old (``DEDUPE_KEYED``'s ``ttl`` and ``event_time``)."""
+    events = input.select(DEDUPE_OUTPUT_SCHEMA.names).cast(DEDUPE_OUTPUT_SCHEMA)
+    events = events.filter(pc.is_valid(events.column("event_ts")))
+    events = events.filter(
+        pc.invert(pc.is_in(events.column("event_id"), value_set=state.column("event_id")))
+    )
+    if events.num_rows:
+        order = events.append_column("_row", pa.array(np.arange(events.num_rows)))
+        first = order.group_by("event_id", use_threads=False).aggregate([("_row", "min")])
+        events = events.take(np.sort(first.column("_row_min").to_numpy()))
+    upserts = events.select(DEDUPE_KEYED_STATE_SCHEMA.names)
+    return KeyedResult(upserts, DEDUPE_KEYED_STATE_SCHEMA.empty_table().select(["event_id"]),
+                       events)
+
+
+def user_activity_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
+    """Keyed ``user_activity`` for one batch: the output is each user's count, amount sum,
+    first and last ``event_ts`` in the input; the new state adds them to the user's state
+    (sums and bounds skip nulls, as Spark's aggregates do)."""
+    batch = input.group_by("user_id", use_threads=False).aggregate(
+        [([], "count_all"), ("amount", "sum"), ("event_ts", "min"), ("event_ts", "max")]
+    )
+    batch = pa.table(
+        [batch.column(n) for n in ("user_id", "count_all", "amount_sum", "event_ts_min",
+                                   "event_ts_max")],
+        names=USER_ACTIVITY_OUTPUT_SCHEMA.names,
+    ).cast(USER_ACTIVITY_OUTPUT_SCHEMA)
+    known = state.select(USER_ACTIVITY_KEYED_STATE_SCHEMA.names).cast(
+        USER_ACTIVITY_OUTPUT_SCHEMA)
+    both = batch.join(known, "user_id", join_type="left outer", right_suffix="_state")
+    decimal = USER_ACTIVITY_OUTPUT_SCHEMA.field("amount_sum").type
+    added, before = both.column("amount_sum"), both.column("amount_sum_state")
+    upserts = pa.table(
+        {
+            "user_id": both.column("user_id"),
+            "event_count": pc.add(both.column("event_count"),
+                                  pc.fill_null(both.column("event_count_state"), 0)),
+            "amount_sum": pc.coalesce(pc.add(added, before).cast(decimal), added, before),
+            "first_seen": _bound(pc.less, both, "first_seen"),
+            "last_seen": _bound(pc.greater, both, "last_seen"),
+        }
+    )
+    deletes = USER_ACTIVITY_KEYED_STATE_SCHEMA.empty_table().select(["user_id"])
+    return KeyedResult(upserts, deletes, batch)
+
+
+def _bound(wins, both: pa.Table, name: str) -> pa.ChunkedArray:
+    """Column ``name`` against ``name_state``: the one for which ``wins`` holds, skipping
+    nulls (Arrow's ``min_element_wise`` takes no zoned timestamps)."""
+    new, old = both.column(name), both.column(f"{name}_state")
+    return pc.coalesce(pc.if_else(wins(new, old), new, old), new, old)
+
+
+DEDUPE_KEYED = KeyedStage(
+    "dedupe",
+    key="event_id",
+    state_schema=DEDUPE_KEYED_STATE_SCHEMA,
+    apply=dedupe_events,
+    ttl=StateTtl(DEDUPE_RETENTION, TtlTimeCharacteristic.EVENT_TIME, "event_ts"),
+    output_schema=DEDUPE_OUTPUT_SCHEMA,
+    event_time="event_ts",
+)
+USER_ACTIVITY_KEYED = KeyedStage(
+    "user_activity",
+    key="user_id",
+    state_schema=USER_ACTIVITY_KEYED_STATE_SCHEMA,
+    apply=user_activity_totals,
+    output_schema=USER_ACTIVITY_OUTPUT_SCHEMA,
+)
+KEYED_STAGES: tuple[KeyedStage, ...] = (DEDUPE_KEYED, USER_ACTIVITY_KEYED)

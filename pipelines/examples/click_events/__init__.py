@@ -11,12 +11,13 @@ from pipelines.examples.click_events.pipeline import (
     click_events_pipeline,
     report_columns,
 )
-from pipelines.examples.click_events.stages import STAGES
+from pipelines.examples.click_events.stages import KEYED_STAGES, STAGES
 
 __all__ = [
     "DAILY_PARTITIONS",
     "EVENT_ARROW_SCHEMA",
     "FIRST_PARTITION",
+    "KEYED_STAGES",
     "NAME",
     "STAGES",
     "LandingConfig",

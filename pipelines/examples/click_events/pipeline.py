@@ -1,17 +1,20 @@
 """The click-events pipeline: daily partitions of generated click events, deduplicated over a
-two-day window and aggregated per user, with a daily report per day.
+two-day window and aggregated per user, with a daily report per day. Its stages are keyed
+stages (state per event id and per user, checkpointed incrementally).
 
 No ``from __future__ import annotations`` here: Dagster reads the ``config`` parameter's
 annotation at definition time.
 """
 
+from collections.abc import Sequence
+
 import dagster as dg
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from pipelines import FileSource, SparkWriterSink, StatefulPipeline
+from pipelines import FileSource, KeyedStage, SparkWriterSink, Stage, StatefulPipeline
 from pipelines.examples.click_events.events import EVENT_ARROW_SCHEMA, generate_day
-from pipelines.examples.click_events.stages import STAGES
+from pipelines.examples.click_events.stages import KEYED_STAGES
 from sensors import pipeline_definitions
 
 __all__ = [
@@ -96,12 +99,15 @@ def click_events_pipeline(
     checkpoint_interval: int = 2,
     max_retained_checkpoints: int = 3,
     storage_options: dict | None = None,
+    stages: Sequence[Stage | KeyedStage] = KEYED_STAGES,
 ) -> StatefulPipeline:
     """The pipeline over ``<landing_dir>/date=<day>/`` (any fsspec URL; ``storage_options``
-    are its non-secret fsspec options), reporting into ``report_dir`` (a Spark path)."""
+    are its non-secret fsspec options), reporting into ``report_dir`` (a Spark path).
+    ``stages``: the keyed stages (``KEYED_STAGES``), or the DataFrame stages that compute
+    the same (``STAGES``)."""
     return StatefulPipeline(
         name=NAME,
-        stages=STAGES,
+        stages=stages,
         source=FileSource(
             url=f"{landing_dir.rstrip('/')}/date={{partition}}",
             schema=EVENT_ARROW_SCHEMA,

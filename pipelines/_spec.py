@@ -133,9 +133,11 @@ class StatefulPipeline:
     ``max_parallelism``: the number of key groups of every keyed stage (Flink's max
     parallelism), the most tasks a keyed stage can ever run on. It is fixed for the life of
     the pipeline's state: checkpoints record it, and state written with another cannot be
-    restored. ``materialisation``: when a keyed stage's chain of change files is replaced by
-    a full snapshot of its range (after ``every`` change files, or when they outgrow
-    ``ratio`` times the last snapshot).
+    restored. ``keyed_parallelism``: how many key group ranges (Spark tasks) keyed stages run
+    on (None: Spark's default parallelism, at most ``max_parallelism``); change it between
+    runs to rescale: restored state is redistributed first. ``materialisation``: when a keyed
+    stage's chain of change files is replaced by a full snapshot of its range (after
+    ``every`` change files, or when they outgrow ``ratio`` times the last snapshot).
 
     ``name`` is stable and readable (lowercase letters, digits, ``_``): the job id (and so the
     checkpoint directory) derives from it, every `_metadata` records it, and every Dagster
@@ -153,6 +155,7 @@ class StatefulPipeline:
     description: str | None = None
     deps: Sequence[dg.AssetsDefinition] = ()
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    keyed_parallelism: int | None = None
     materialisation: MaterialisationPolicy = MaterialisationPolicy()
     order: PartitionOrder = field(init=False, repr=False, compare=False)
 
@@ -178,6 +181,14 @@ class StatefulPipeline:
             raise ValueError(
                 f"pipeline {self.name}: max_parallelism must be in [1, "
                 f"{UPPER_BOUND_MAX_PARALLELISM}], got {self.max_parallelism!r}"
+            )
+        if self.keyed_parallelism is not None and (
+                isinstance(self.keyed_parallelism, bool)
+                or not isinstance(self.keyed_parallelism, int)
+                or not 1 <= self.keyed_parallelism <= self.max_parallelism):
+            raise ValueError(
+                f"pipeline {self.name}: keyed_parallelism must be in [1, max_parallelism="
+                f"{self.max_parallelism}] or None, got {self.keyed_parallelism!r}"
             )
         if not isinstance(self.materialisation, MaterialisationPolicy):
             raise TypeError(f"pipeline {self.name}: materialisation must be a "

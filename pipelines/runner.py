@@ -253,8 +253,8 @@ class StatefulRunner:
     ttl and a half, long enough for a crashed holder's lease to expire), then fails with
     ``JobLeaseHeldError`` naming the holder.
 
-    Keyed stages run on ``keyed_parallelism`` key group ranges (default: Spark's default
-    parallelism, at most the pipeline's ``max_parallelism``); state restored at another
+    Keyed stages run on the pipeline's ``keyed_parallelism`` key group ranges (default:
+    Spark's default parallelism, at most ``max_parallelism``); state restored at another
     parallelism is rescaled first. Their local stores live below ``keyed_local_dir`` on each
     executor (default: its temp directory).
 
@@ -273,7 +273,6 @@ class StatefulRunner:
         lease_owner: str | None = None,
         lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
         lease_wait: float | None = None,
-        keyed_parallelism: int | None = None,
         keyed_local_dir: str | None = None,
     ) -> None:
         self.spark = spark
@@ -293,7 +292,7 @@ class StatefulRunner:
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
         self._keyed: KeyedStageDriver | None = None
         if pipeline.keyed_stages:
-            parallelism = keyed_parallelism or min(
+            parallelism = pipeline.keyed_parallelism or min(
                 spark.sparkContext.defaultParallelism, pipeline.max_parallelism)
             self._keyed = KeyedStageDriver(
                 spark, storage, str(self.job_id), pipeline.max_parallelism, parallelism,
@@ -304,6 +303,10 @@ class StatefulRunner:
         # Whether keyed state was prepared (materialised or rescaled where due) since the
         # last checkpoint: done once per interval, before anything is written into it.
         self._interval_prepared = False
+        # Whether the next interval must snapshot keyed state whole: after a restore of a
+        # snapshot this job does not own for good (any savepoint, a checkpoint in NO_CLAIM
+        # mode), so no checkpoint of ours references its files.
+        self._full_snapshot_due = False
 
     @property
     def store(self) -> FileSystemCompletedCheckpointStore:
@@ -431,9 +434,10 @@ class StatefulRunner:
         taken: list[CheckpointSummary] = []
         interval = self.pipeline.checkpoint_interval
         for index in range(first, len(batches)):
-            applied = self._apply_batch(states, partition, batches[index], index, rows)
+            applied, notes = self._apply_batch(states, partition, batches[index], index, rows)
             progress(
                 f"{partition}: batch {index + 1} of {len(batches)} ({applied} rows in)"
+                + "".join(f"; {note}" for note in notes)
             )
             self._fault("batch_applied", partition=partition, batch=index)
             done = index + 1
@@ -468,19 +472,28 @@ class StatefulRunner:
 
     def _apply_batch(
         self, states: dict[str, DataFrame], partition: str, batch: str, index: int, rows: dict
-    ) -> int:
+    ) -> tuple[int, list[str]]:
+        """Apply one batch to every stage; returns the source rows read and notes for the
+        progress line (keyed stages' local stores that had to be rebuilt, and their cost)."""
         data = self.pipeline.source.read(self.spark, partition, batch)
         # Materialise once: every stage reading the source sees the same rows.
         outputs = {SOURCE: data.localCheckpoint(eager=True)}
         count = outputs[SOURCE].count()
         rows[SOURCE] += count
+        notes: list[str] = []
         for number, stage in enumerate(self.stages):
             input = outputs[self.pipeline.input_of(number)]
             if isinstance(stage, KeyedStage):
                 self._prepare_interval(states)
                 checkpoint_id, location = self._pending_location()
-                states[stage.name], output, _ = self._keyed.apply(
+                states[stage.name], output, ranges = self._keyed.apply(
                     states[stage.name], input, checkpoint_id, location.location_reference, index)
+                rebuilt = [r for r in ranges if r.rebuilt]
+                if rebuilt:
+                    notes.append(
+                        f"{stage.name}: rebuilt {len(rebuilt)} local store(s) from the "
+                        f"checkpoint ({sum(r.rebuild_rows for r in rebuilt)} rows, "
+                        f"{max(r.rebuild_seconds for r in rebuilt):.1f} s)")
                 rows[stage.name] += output.count()
                 outputs[stage.name] = output
                 continue
@@ -498,7 +511,7 @@ class StatefulRunner:
                 sink.write(self.spark, outputs[sink.stage], partition, index)
         for output in outputs.values():
             output.unpersist()
-        return count
+        return count, notes
 
     # --- checkpoints and savepoints ----------------------------------------------------
 
@@ -523,15 +536,17 @@ class StatefulRunner:
     def _prepare_interval(self, states: dict) -> None:
         """Once per checkpoint interval, before its first write: rescale keyed state to this
         runner's parallelism, and materialise the ranges that are due (every range after a
-        NO_CLAIM restore, so the next checkpoint shares no file with the restored one)."""
+        restore of a savepoint or a NO_CLAIM restore, so that the next checkpoint references
+        no file of the restored snapshot)."""
         if self._interval_prepared or self._keyed is None:
             return
         checkpoint_id, location = self._pending_location()
-        full = self.store.requires_full_checkpoint()
+        full = self._full_snapshot_due or self.store.requires_full_checkpoint()
         for stage in self.pipeline.keyed_stages:
             states[stage.name], _ = self._keyed.prepare(
                 states[stage.name], checkpoint_id, location.location_reference, full=full)
         self._interval_prepared = True
+        self._full_snapshot_due = False
 
     def _state_frame(self, state: "DataFrame | KeyedStageState") -> DataFrame:
         """A stage's whole state as a DataFrame (a keyed stage's replayed from its chains)."""
@@ -758,6 +773,9 @@ class StatefulRunner:
                                           self.order)
                 )
             checkpoint = self.store.restore(location, mode)
+            # A claimed savepoint is deleted once subsumed, an unclaimed snapshot belongs to
+            # someone else: keyed chains must not go on referencing their files.
+            self._full_snapshot_due = checkpoint.is_savepoint() or mode is RestoreMode.NO_CLAIM
             return checkpoint.external_pointer, self._restore(metadata), position
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)

@@ -10,7 +10,7 @@ Stages, the source and the sinks are named by import path, with parameters::
       partitions:
         hourly: {start_date: "2026-10-01-00:00", timezone: UTC}
       stages:
-        - import: my_project.stages.STAGES        # a Stage, a list of them, or a factory
+        - import: my_project.stages.STAGES        # a (Keyed)Stage, a list of them, or a factory
       source:
         import: pipelines.FileSource
         params:
@@ -20,6 +20,8 @@ Stages, the source and the sinks are named by import path, with parameters::
         - import: pipelines.ParquetSink
           params: {name: sessions, stage: sessions, url: "{{ env('PAGE_VIEWS_DIR') }}/sessions"}
       checkpoint_interval: 2
+      # keyed stages: max_parallelism, keyed_parallelism, materialisation: {every, ratio,
+      # min_bytes}
 
 An import path is ``package.module.attribute`` (or ``package.module:attribute``). With
 ``params`` the imported object is called with them (a class or a factory); without, a class or
@@ -38,7 +40,15 @@ from typing import Annotated, Any
 import dagster as dg
 from pydantic import Field
 
-from pipelines import Sink, Source, Stage, StatefulPipeline
+from pipelines import (
+    DEFAULT_MAX_PARALLELISM,
+    KeyedStage,
+    MaterialisationPolicy,
+    Sink,
+    Source,
+    Stage,
+    StatefulPipeline,
+)
 from sensors._definitions import pipeline_definitions
 
 __all__ = ["ImportReference", "PartitionsSpec", "StatefulPipelineComponent"]
@@ -98,14 +108,15 @@ class PartitionsSpec(dg.Model):
         return classes[kind](**arguments)
 
 
-def _stages(references: Sequence[ImportReference]) -> list[Stage]:
-    stages: list[Stage] = []
+def _stages(references: Sequence[ImportReference]) -> list[Stage | KeyedStage]:
+    stages: list[Stage | KeyedStage] = []
     for reference in references:
         value = reference.resolve()
         items = list(value) if isinstance(value, list | tuple) else [value]
         for item in items:
-            if not isinstance(item, Stage):
-                raise TypeError(f"{reference.import_} gave {item!r}, not a pipelines.Stage")
+            if not isinstance(item, Stage | KeyedStage):
+                raise TypeError(f"{reference.import_} gave {item!r}, not a pipelines.Stage or "
+                                "pipelines.KeyedStage")
             stages.append(item)
     return stages
 
@@ -151,6 +162,14 @@ class StatefulPipelineScaffolder(dg.Scaffolder):
         )
 
 
+class MaterialisationSpec(dg.Model):
+    """A keyed stage's materialisation policy (``pipelines.MaterialisationPolicy``)."""
+
+    every: int = MaterialisationPolicy.every
+    ratio: float = MaterialisationPolicy.ratio
+    min_bytes: int = MaterialisationPolicy.min_bytes
+
+
 @dg.scaffold_with(StatefulPipelineScaffolder)
 class StatefulPipelineComponent(dg.Component, dg.Model, dg.Resolvable):
     """A stateful pipeline with Flink-style checkpoints: its state asset (and one asset per
@@ -167,6 +186,9 @@ class StatefulPipelineComponent(dg.Component, dg.Model, dg.Resolvable):
     description: str | None = None
     savepoint_cron: str | None = None
     automation_status: str = "RUNNING"
+    max_parallelism: int = DEFAULT_MAX_PARALLELISM
+    keyed_parallelism: int | None = None
+    materialisation: MaterialisationSpec = MaterialisationSpec()
 
     def pipeline(self) -> StatefulPipeline:
         return StatefulPipeline(
@@ -178,6 +200,9 @@ class StatefulPipelineComponent(dg.Component, dg.Model, dg.Resolvable):
             checkpoint_interval=self.checkpoint_interval,
             max_retained_checkpoints=self.max_retained_checkpoints,
             description=self.description,
+            max_parallelism=self.max_parallelism,
+            keyed_parallelism=self.keyed_parallelism,
+            materialisation=MaterialisationPolicy(**self.materialisation.model_dump()),
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

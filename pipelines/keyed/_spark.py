@@ -18,6 +18,7 @@ chains as ``StateHandleRef`` values.
 import datetime as dt
 import fcntl
 import hashlib
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,7 +55,7 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._stage import KeyedStage
-from pipelines.keyed._store import ArrowKeyedStateStore, LocalStoreError
+from pipelines.keyed._store import ArrowKeyedStateStore, LocalStoreError, remove_store
 
 __all__ = [
     "OPERATOR_INDEX",
@@ -70,6 +71,7 @@ __all__ = [
     "materialise_keyed_state",
     "ranges_to_materialise",
     "read_keyed_state",
+    "sweep_other_ranges",
 ]
 
 OPERATOR_INDEX = "_operator_index"
@@ -225,17 +227,55 @@ class _Locked:
     """An exclusive lock on a range's store directory, so two tasks of one executor (e.g. a
     speculative attempt) never write the same store at once."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, blocking: bool = True) -> None:
         directory.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(directory.with_name(directory.name + ".lock"), "w")  # noqa: SIM115
+        self._blocking = blocking
+        self.held = False
 
     def __enter__(self):
-        fcntl.flock(self._file, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | (0 if self._blocking else fcntl.LOCK_NB))
+            self.held = True
+        except BlockingIOError:
+            pass
         return self
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self._file, fcntl.LOCK_UN)
+        if self.held:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
+
+
+_STORE_DIRECTORY = re.compile(r"m\d+-kg\d+-\d+")
+
+
+def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
+    """Remove this stage's local stores on this executor that belong to no range of the task's
+    parallelism (an earlier parallelism's, after rescaling): caches no batch will ship a chain
+    for. A store another task holds (its lock taken) and anything that is not a store are left
+    alone. Returns the directories removed."""
+    wanted = {local_store_directory(task, task.key_groups(i)).name
+              for i in range(task.parallelism)}
+    parent = local_store_directory(task, task.key_groups(0)).parent
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name in wanted or not _STORE_DIRECTORY.fullmatch(entry.name):
+            continue
+        with _Locked(entry, blocking=False) as locked:
+            if not locked.held:
+                continue
+            try:
+                remove_store(entry)
+            except LocalStoreError:
+                continue
+            entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
@@ -302,6 +342,7 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
     table = table.drop_columns([OPERATOR_INDEX])
     directory = local_store_directory(task, key_groups)
     cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
+    sweep_other_ranges(task)
     with _Locked(directory):
         store = _open_current(task, key_groups, directory, stats)
         try:

@@ -26,6 +26,7 @@ from pipelines import (
     StatefulPipeline,
     StatefulRunner,
 )
+from pipelines.keyed import compute_key_group_range_for_operator_index
 from tests.pipelines.support import InjectedFault
 
 PARTITIONS = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
@@ -158,15 +159,22 @@ def test_a_run_killed_mid_partition_resumes_exactly_once(spark, tmp_path):
 
 
 def test_rescaling_2_3_2_equals_a_recomputation(spark, tmp_path):
-    """p1 on 2 ranges, p2 on 3, p3 on 2: the state equals a recomputation after each, and the
-    checkpoints record the new parallelism."""
+    """p1 on 2 ranges, p2 on 3, p3 on 2: the state equals a recomputation after each, the
+    checkpoints record the new parallelism, and the executors keep local stores of the
+    current ranges only."""
     for partition, parallelism in (("p1", 2), ("p2", 3), ("p3", 2)):
-        runner = runner_of(spark, tmp_path, keyed_parallelism=parallelism)
+        runner = runner_of(spark, tmp_path, totals_pipeline(tmp_path,
+                                                            keyed_parallelism=parallelism))
         runner.run([partition])
         operator = runner.store.latest().metadata.operator_states[0]
         assert (parallelism, 16) == (operator.parallelism, operator.max_parallelism)
         done = ["p1", "p2", "p3"][: ["p1", "p2", "p3"].index(partition) + 1]
         assert expected(done) == state_of(runner)
+        stores = tmp_path / "local" / "pipelines-keyed" / str(runner.job_id) / "totals"
+        ranges = [compute_key_group_range_for_operator_index(16, parallelism, i)
+                  for i in range(parallelism)]
+        assert {f"m16-kg{r.start}-{r.end}" for r in ranges} == {
+            p.name for p in stores.iterdir() if p.is_dir()}
 
 
 def test_another_max_parallelism_is_refused(spark, tmp_path):
@@ -180,7 +188,8 @@ def test_another_max_parallelism_is_refused(spark, tmp_path):
 
 def test_a_savepoint_is_self_contained_parquet_and_restores(spark, tmp_path):
     """A savepoint holds one Parquet snapshot per range inside its directory (pandas reads
-    it), and a new job restored from it in NO_CLAIM mode continues exactly."""
+    it); a new job restored from it continues exactly, and its checkpoints reference none of
+    the savepoint's files."""
     runner = runner_of(spark, tmp_path)
     runner.run(["p1"])
     summary = runner.take_savepoint()
@@ -196,6 +205,9 @@ def test_a_savepoint_is_self_contained_parquet_and_restores(spark, tmp_path):
     restored = runner_of(spark, other)
     restored.run(["p2"], restore_from=summary.pointer, restore_mode=RestoreMode.NO_CLAIM)
     assert expected(["p1", "p2"]) == state_of(restored)
+    referenced = {Path(h.path).name for c in restored.store.all() if not c.is_savepoint()
+                  for h in c.metadata.all_handles() if hasattr(h, "path")}
+    assert set() == referenced & {p.name for p in files}
 
 
 def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, tmp_path):
@@ -246,14 +258,18 @@ def test_inline_change_files_restore(spark, tmp_path):
 
 
 def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
-    """A second runner on other executors' local directories (nothing local) rebuilds every
-    range from the chains and continues exactly."""
+    """A second runner on other executors' local directories (nothing local) rebuilds both
+    ranges from the chains in its first batch only, says so, and continues exactly."""
     runner_of(spark, tmp_path).run(["p1"])
     runner = StatefulRunner(spark, storage_of(tmp_path), totals_pipeline(tmp_path),
                             keyed_local_dir=str(tmp_path / "elsewhere"))
+    lines = []
 
-    runner.run(["p2"])
+    runner.run(["p2"], on_progress=lines.append)
 
+    rebuilt = [line for line in lines if "rebuilt" in line]
+    assert ["p2: batch 1 of 4"] == [line.split(" (")[0] for line in rebuilt]
+    assert "totals: rebuilt 2 local store(s) from the checkpoint" in rebuilt[0]
     assert expected(["p1", "p2"]) == state_of(runner)
 
 

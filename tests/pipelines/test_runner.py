@@ -1,5 +1,6 @@
-"""The stateful runner on local disk: checkpoint and restore of stage state, exactly-once
-recovery, savepoints and restore modes.
+"""The stateful runner on local disk with DataFrame stages (the click-events example's
+``STAGES``; keyed stages: test_keyed_runner.py): checkpoint and restore of stage state,
+exactly-once recovery, savepoints and restore modes.
 
 One uninterrupted run over three days (``baseline``) is the reference. Tests that need a
 directory where the first days were already processed copy the baseline's checkpoints and
@@ -82,6 +83,7 @@ def make_runner(
         str(base / "report"),
         checkpoint_interval=INTERVAL,
         max_retained_checkpoints=max_retained,
+        stages=STAGES,
     )
     return StatefulRunner(spark, storage, pipeline, **kwargs)
 

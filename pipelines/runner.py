@@ -292,11 +292,9 @@ class StatefulRunner:
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
         self._keyed: KeyedStageDriver | None = None
         if pipeline.keyed_stages:
-            parallelism = pipeline.keyed_parallelism or min(
-                spark.sparkContext.defaultParallelism, pipeline.max_parallelism)
             self._keyed = KeyedStageDriver(
-                spark, storage, str(self.job_id), pipeline.max_parallelism, parallelism,
-                pipeline.materialisation, keyed_local_dir)
+                spark, storage, str(self.job_id), pipeline.max_parallelism,
+                pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir)
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None
@@ -481,21 +479,19 @@ class StatefulRunner:
         count = outputs[SOURCE].count()
         rows[SOURCE] += count
         notes: list[str] = []
+        keyed_batches = []
         for number, stage in enumerate(self.stages):
             input = outputs[self.pipeline.input_of(number)]
             if isinstance(stage, KeyedStage):
-                self._prepare_interval(states)
+                notes += self._prepare_interval(states)
                 checkpoint_id, location = self._pending_location()
-                states[stage.name], output, ranges = self._keyed.apply(
+                states[stage.name], batch_result = self._keyed.apply(
                     states[stage.name], input, checkpoint_id, location.location_reference, index)
-                rebuilt = [r for r in ranges if r.rebuilt]
-                if rebuilt:
-                    notes.append(
-                        f"{stage.name}: rebuilt {len(rebuilt)} local store(s) from the "
-                        f"checkpoint ({sum(r.rebuild_rows for r in rebuilt)} rows, "
-                        f"{max(r.rebuild_seconds for r in rebuilt):.1f} s)")
-                rows[stage.name] += output.count()
-                outputs[stage.name] = output
+                notes += _rebuild_notes(stage.name, batch_result.ranges)
+                keyed_batches.append(batch_result)
+                rows[stage.name] += batch_result.output_rows
+                # Read from the batch's persisted pass by each consumer, released below.
+                outputs[stage.name] = batch_result.output
                 continue
             old = states[stage.name]
             new_state, output = stage.apply(old, input)
@@ -511,6 +507,8 @@ class StatefulRunner:
                 sink.write(self.spark, outputs[sink.stage], partition, index)
         for output in outputs.values():
             output.unpersist()
+        for batch_result in keyed_batches:
+            batch_result.release()
         return count, notes
 
     # --- checkpoints and savepoints ----------------------------------------------------
@@ -533,20 +531,23 @@ class StatefulRunner:
                              self.access.initialize_location_for_checkpoint(checkpoint_id))
         return self._pending
 
-    def _prepare_interval(self, states: dict) -> None:
+    def _prepare_interval(self, states: dict) -> list[str]:
         """Once per checkpoint interval, before its first write: rescale keyed state to this
         runner's parallelism, and materialise the ranges that are due (every range after a
         restore of a savepoint or a NO_CLAIM restore, so that the next checkpoint references
-        no file of the restored snapshot)."""
+        no file of the restored snapshot). Returns notes on local stores rebuilt meanwhile."""
         if self._interval_prepared or self._keyed is None:
-            return
+            return []
         checkpoint_id, location = self._pending_location()
         full = self._full_snapshot_due or self.store.requires_full_checkpoint()
+        notes = []
         for stage in self.pipeline.keyed_stages:
-            states[stage.name], _ = self._keyed.prepare(
+            states[stage.name], results = self._keyed.prepare(
                 states[stage.name], checkpoint_id, location.location_reference, full=full)
+            notes += _rebuild_notes(stage.name, results)
         self._interval_prepared = True
         self._full_snapshot_due = False
+        return notes
 
     def _state_frame(self, state: "DataFrame | KeyedStageState") -> DataFrame:
         """A stage's whole state as a DataFrame (a keyed stage's replayed from its chains)."""
@@ -697,16 +698,18 @@ class StatefulRunner:
     # --- restore -----------------------------------------------------------------------
 
     def restore_states(
-        self, metadata: CheckpointMetadata, parallelism: int | None = None
+        self, metadata: CheckpointMetadata, parallelism: int | None = None, *,
+        include_expired: bool = False,
     ) -> dict[str, DataFrame]:
         """The stages' state DataFrames from a snapshot: the executors read and verify
         their handles through fsspec (inline handles carry their bytes). Any parallelism:
         one task per handle (a keyed stage: per key group range), then ``parallelism``
-        partitions when given."""
+        partitions when given. A keyed stage's expired rows (not dropped yet) only with
+        ``include_expired``."""
         states = {}
         for name, state in self._restore(metadata, parallelism).items():
             if isinstance(state, KeyedStageState):
-                frame = self._keyed.frame(state)
+                frame = self._keyed.frame(state, include_expired=include_expired)
                 if parallelism is not None:
                     frame = frame.repartition(parallelism)
                 state = frame.localCheckpoint(eager=True)
@@ -831,6 +834,17 @@ class StatefulRunner:
     def latest_position(self) -> SourcePosition | None:
         latest = self.store.latest()
         return None if latest is None else SourcePosition.of(latest.metadata)
+
+
+def _rebuild_notes(stage: str, ranges) -> list[str]:
+    """A progress note when ranges had to rebuild their local store from the checkpoint (a
+    task on another executor, or stores lost), with what it cost."""
+    rebuilt = [r for r in ranges if r.rebuilt]
+    if not rebuilt:
+        return []
+    return [f"{stage}: rebuilt {len(rebuilt)} local store(s) from the checkpoint "
+            f"({sum(r.rebuild_rows for r in rebuilt)} rows, "
+            f"{max(r.rebuild_seconds for r in rebuilt):.1f} s)"]
 
 
 def _checkpoint_line(summary: CheckpointSummary) -> str:

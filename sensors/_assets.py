@@ -334,7 +334,8 @@ def integrity_check_result(
         problems = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in report.problems[:5])
         return result(False, f"{len(report.problems)} problem(s): {problems}", **metadata)
     snapshot = location.load_metadata()
-    states = runner.restore_states(snapshot)
+    # Expired keyed rows too: the recorded counts include them until they are dropped.
+    states = runner.restore_states(snapshot, include_expired=True)
     restored = {name: state.count() for name, state in states.items()}
     recorded = {
         op.operator_id: sum(int(s.properties.get("rows", -1)) for s in op.subtask_states.values())

@@ -38,6 +38,7 @@ from pipelines.keyed._chain import (
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._spark import (
+    KeyedBatch,
     KeyedRangeResult,
     KeyedStageTask,
     MaterialisationPolicy,
@@ -100,22 +101,31 @@ def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain
 
 
 class KeyedStageDriver:
-    """Runs a pipeline's keyed stages for one runner: ``parallelism`` ranges per stage (a
-    restore at another parallelism is rescaled by materialising the new ranges), ``policy``
-    for periodic materialisation, local stores below ``local_dir`` on each executor (None:
-    its temp directory)."""
+    """Runs a pipeline's keyed stages for one runner: ``parallelism`` ranges per stage (None:
+    Spark's default parallelism; a restore at another parallelism is rescaled by
+    materialising the new ranges), ``policy`` for periodic materialisation, local stores
+    below ``local_dir`` on each executor (None: its temp directory)."""
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
-                 max_parallelism: int, parallelism: int, policy: MaterialisationPolicy,
+                 max_parallelism: int, parallelism: int | None, policy: MaterialisationPolicy,
                  local_dir: str | None = None) -> None:
-        compute_key_group_range_for_operator_index(max_parallelism, parallelism, 0)
         self.spark = spark
         self.storage = storage
         self.job_id = job_id
         self.max_parallelism = max_parallelism
-        self.parallelism = parallelism
+        self._parallelism = parallelism
         self.policy = policy
         self.local_dir = local_dir
+
+    @property
+    def parallelism(self) -> int:
+        """The ranges per keyed stage: as configured, else Spark's default parallelism (at
+        most ``max_parallelism``), asked of Spark only when a run needs it."""
+        if self._parallelism is None:
+            self._parallelism = min(self.spark.sparkContext.defaultParallelism,
+                                    self.max_parallelism)
+        compute_key_group_range_for_operator_index(self.max_parallelism, self._parallelism, 0)
+        return self._parallelism
 
     # --- states ----------------------------------------------------------------------------
 
@@ -207,11 +217,11 @@ class KeyedStageDriver:
 
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
               reference: CheckpointStorageLocationReference, batch: int
-              ) -> tuple[KeyedStageState, DataFrame, list[KeyedRangeResult]]:
+              ) -> tuple[KeyedStageState, KeyedBatch]:
         """One batch: advance the event-time clock over the whole batch, drop rows behind
         it, run the stage on every range with rows (their change files go to checkpoint
-        ``checkpoint_id``'s shared state); returns the new state, the output (cached, cut
-        from its lineage) and the ranges' results."""
+        ``checkpoint_id``'s shared state); returns the new state and the batch's output and
+        ranges (``release()`` it once its output is consumed)."""
         stage = state.stage
         clock = state.clock
         if stage.event_time is not None:
@@ -229,12 +239,8 @@ class KeyedStageDriver:
         state = replace(state, clock=clock)
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
         result = apply_keyed_batch(input, task)
-        try:
-            output = result.output.localCheckpoint(eager=True)
-        finally:
-            result.release()
         chains = tuple(extend_chains(state.chains, result.ranges))
-        return replace(state, chains=chains), output, result.ranges
+        return replace(state, chains=chains), result
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
                  reference: CheckpointStorageLocationReference) -> KeyedStageState:
@@ -245,10 +251,11 @@ class KeyedStageDriver:
         results = materialise_keyed_state(self.spark, task, adopt=False)
         return replace(state, chains=_results_as_chains(results))
 
-    def frame(self, state: KeyedStageState) -> DataFrame:
+    def frame(self, state: KeyedStageState, *, include_expired: bool = False) -> DataFrame:
         """The stage's whole state as a DataFrame of its state schema (for state sinks and
-        checks), replayed on the executors from the chains."""
+        checks), replayed on the executors from the chains; expired rows only with
+        ``include_expired``."""
         task = self._task(state, 0, CheckpointStorageLocationReference.get_default(), 0,
                           self._now(state))
-        return read_keyed_state(self.spark, task)
+        return read_keyed_state(self.spark, task, include_expired=include_expired)
 

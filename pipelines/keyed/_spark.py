@@ -89,6 +89,7 @@ _RESULT_SCHEMA = pa.schema([
     ("input_rows", pa.int64()),
     ("rows", pa.int64()),  # rows in the written file
     ("state_rows", pa.int64()),  # the range's state rows after it
+    ("output_rows", pa.int64()),  # the range's output rows this batch
     ("rebuilt", pa.bool_()),
     ("rebuild_rows", pa.int64()),
     ("rebuild_seconds", pa.float64()),
@@ -363,6 +364,7 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
         finally:
             store.close()
     output = _conform_output(result.output, task)
+    stats["output_rows"] = output.num_rows
     rows = [_handle_row(_CHANGE, operator_index, attempt, change,
                         upserts.num_rows + result.deletes.num_rows, stats)]
     for batch in output.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
@@ -420,6 +422,7 @@ class KeyedRangeResult:
     rebuild_rows: int
     rebuild_seconds: float
     state_rows: int
+    output_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -427,6 +430,10 @@ class KeyedBatch:
     """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
     read from ``cached``), the ranges' results, and the persisted pass both come from; call
     ``release()`` once the output is consumed."""
+
+    @property
+    def output_rows(self) -> int:
+        return sum(r.output_rows for r in self.ranges)
 
     output: DataFrame
     ranges: list[KeyedRangeResult]
@@ -448,7 +455,7 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
             index, task.key_groups(index), StateHandleRef(**ref).handle(options),
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
             bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
-            row["state_rows"] or 0)
+            row["state_rows"] or 0, row["output_rows"] or 0)
     return [results[i] for i in sorted(results)]
 
 
@@ -620,25 +627,31 @@ def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
     return _results(task, rows)
 
 
-def _replay_ranges(task: KeyedStageTask,
+def _replay_ranges(task: KeyedStageTask, include_expired: bool,
                    batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: each operator index's state rows (the state schema's columns),
     replayed from the shipped chains; the local stores are not touched."""
     layout = task.layout
     target = _spark_arrow_schema(task.stage.state_schema)
+    cutoff = None if layout.ttl is None or include_expired else layout.ttl.cutoff(task.now)
     for batch in batches:
         for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
             key_groups = task.key_groups(operator_index)
             state = replay_chains(task.sources(key_groups), layout, key_groups)
+            if cutoff is not None:
+                state = state.filter(pc.invert(layout.ttl.expired(state, cutoff)))
             state = state.select(target.names).cast(target)
             yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)
 
 
-def read_keyed_state(spark: SparkSession, task: KeyedStageTask) -> DataFrame:
+def read_keyed_state(spark: SparkSession, task: KeyedStageTask, *,
+                     include_expired: bool = False) -> DataFrame:
     """The state of every range of ``task.parallelism`` as a DataFrame of the stage's state
-    schema, replayed from ``task.chains`` on the executors (one task per range). Rows that
-    expired but were not dropped yet are included: this is the state as checkpointed."""
+    schema, replayed from ``task.chains`` on the executors (one task per range). Rows expired
+    at ``task.now`` are left out, as a stage never sees them, unless ``include_expired`` (the
+    rows a checkpoint holds until the next materialisation drops them, which its recorded
+    row counts include)."""
     frame = _operator_index_frame(spark, task, None)
     target = _spark_arrow_schema(task.stage.state_schema)
-    return frame.mapInArrow(partial(_replay_ranges, task),
+    return frame.mapInArrow(partial(_replay_ranges, task, include_expired),
                             from_arrow_schema(target, prefer_timestamp_ntz=False))

@@ -12,7 +12,11 @@ import dagster as dg
 import pytest
 import yaml
 
-from checkpoint_storage import FileSystemCheckpointStorage, StorageConfigurationError
+from checkpoint_storage import (
+    FileSystemCheckpointStorage,
+    StorageConfigurationError,
+    resolve_checkpoint_pointer,
+)
 from pipelines import SourcePosition, job_id_for
 from pipelines.definitions import defs
 from pipelines.examples import page_views
@@ -154,7 +158,8 @@ def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):
     instance, resources, _, tmp_path = materialized
     assert run_check(instance, resources, tmp_path).passed
     pointer = user_activity_metadata(instance)["2026-10-02"]["checkpoint_pointer"]
-    state_files = sorted(p for p in Path(pointer).iterdir() if p.name != "_metadata")
+    metadata = resolve_checkpoint_pointer(pointer, None).load_metadata()
+    state_files = sorted(Path(h.path) for h in metadata.all_handles() if hasattr(h, "path"))
     assert state_files, "the check needs at least one state file to corrupt"
     victim = state_files[0]
     data = bytearray(victim.read_bytes())

@@ -260,8 +260,9 @@ def test_inline_change_files_restore(spark, tmp_path):
 def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
     """A second runner on other executors' local directories (nothing local) rebuilds both
     ranges from the chains in its first batch only, says so, and continues exactly."""
-    runner_of(spark, tmp_path).run(["p1"])
-    runner = StatefulRunner(spark, storage_of(tmp_path), totals_pipeline(tmp_path),
+    pipeline = totals_pipeline(tmp_path, materialisation=MaterialisationPolicy(every=100))
+    runner_of(spark, tmp_path, pipeline).run(["p1"])
+    runner = StatefulRunner(spark, storage_of(tmp_path), pipeline,
                             keyed_local_dir=str(tmp_path / "elsewhere"))
     lines = []
 

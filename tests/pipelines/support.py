@@ -4,8 +4,11 @@ import datetime as dt
 from pathlib import Path
 
 import dagster as dg
+from typer.testing import CliRunner
 
+from checkpoint_storage.cli import build_app
 from pipelines import StatefulPipeline, empty_state
+from pipelines.cli import register
 from pipelines.examples.click_events import STAGES, click_events_pipeline
 from pipelines.examples.click_events.events import batch_urls
 from pipelines.examples.click_events.stages import EVENT_SCHEMA
@@ -27,6 +30,14 @@ class NoSpark:
 
     def __getattr__(self, name):
         raise AssertionError(f"Spark was used: spark.{name}")
+
+
+def run_read_cli(*args: str):
+    """``checkpoints read ARGS`` in-process: the CLI without installed plugins, with the
+    pipelines plugin registered."""
+    app = build_app(plugins=False)
+    register(app)
+    return CliRunner().invoke(app, ["read", *args])
 
 
 def rows(df) -> list[tuple]:

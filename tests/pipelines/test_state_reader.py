@@ -16,8 +16,6 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-import typer
-from typer.testing import CliRunner
 
 from checkpoint_storage import (
     CheckpointMetadata,
@@ -30,7 +28,6 @@ from checkpoint_storage import (
     copy_savepoint,
     store_checkpoint_metadata,
 )
-from checkpoint_storage.cli import build_app
 from pipelines import (
     StatefulRunner,
     UnknownStageError,
@@ -39,9 +36,9 @@ from pipelines import (
     register_checkpoint_source,
     state_stages,
 )
-from pipelines.cli import register
 from pipelines.examples.click_events import click_events_pipeline, generate_day
 from resources import SparkResource
+from tests.pipelines.support import run_read_cli as run_cli
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -124,15 +121,6 @@ def flip_a_byte(path: str) -> None:
     Path(path).write_bytes(bytes(data))
 
 
-def cli_app() -> typer.Typer:
-    """The ``checkpoints`` app without installed plugins, with this plugin registered."""
-    app = build_app(plugins=False)
-    register(app)
-    return app
-
-
-def run_cli(*args: str):
-    return CliRunner().invoke(cli_app(), ["read", *args])
 
 
 # --- the Python reader ---------------------------------------------------------------------

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import typer
-from typer.testing import CliRunner
 
 from checkpoint_storage import (
     JOB_NAME_STATE,
@@ -30,9 +28,7 @@ from checkpoint_storage import (
     StateIntegrityError,
     store_checkpoint_metadata,
 )
-from checkpoint_storage.cli import build_app
 from pipelines import open_snapshot, read_state, register_checkpoint_source
-from pipelines.cli import register
 from pipelines.keyed import (
     CHAIN_FORMAT,
     KEY_GROUP,
@@ -48,6 +44,7 @@ from pipelines.keyed import (
     write_materialisation,
 )
 from pipelines.state_reader import STATE_FORMAT_PREFIX
+from tests.pipelines.support import run_read_cli as run_cli
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -193,15 +190,6 @@ def two_ranges(tmp_path) -> tuple[Written, dict[str, int]]:
     return build_snapshot(tmp_path, LAYOUT, ranges), model
 
 
-def cli_app() -> typer.Typer:
-    """The ``checkpoints`` app without installed plugins, with ``read`` registered."""
-    app = build_app(plugins=False)
-    register(app)
-    return app
-
-
-def run_cli(*args: str):
-    return CliRunner().invoke(cli_app(), ["read", *args])
 
 
 def flip_a_byte(path: str) -> None:

@@ -107,6 +107,13 @@ class WrittenBytes:
         self.total = 0
         self.increments: dict[str, int] | None = None  # per path, once set to {}
 
+    def start(self) -> None:
+        """Take the directory as it is now as the starting point: only what appears after
+        it counts (the initial state's checkpoint is not a batch's)."""
+        self.look()
+        self.total = 0
+        self.increments = {}
+
     def look(self) -> int:
         new = 0
         for dirpath, _, files in os.walk(self.root):
@@ -194,7 +201,7 @@ def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, 
         _feed(files[0], feed)
         query.processAllAvailable()  # the initial state, not timed
         written = WrittenBytes(checkpoint)
-        written.look()
+        written.start()
         walls, cpus = [], []
         for batch in files[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
@@ -279,7 +286,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
     if phase == "run":
         runner.run(names[:1])
         written = WrittenBytes(work / "checkpoint")
-        written.look()
+        written.start()
         walls, cpus = [], []
         for name in names[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
@@ -407,6 +414,72 @@ def _ours_bytes_by_kind(paths: dict[str, int]) -> dict[str, int]:
     return kinds
 
 
+class Phases:
+    """Driver-side time per batch by phase (exclusive of nested phases): the functions of
+    the runner's keyed path wrapped in this worker process, behaviour unchanged."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.stack: list[float] = []
+
+    def wrap(self, owner, name: str, label: str, numbered: bool = False) -> None:
+        original = getattr(owner, name)
+        phases = self
+
+        def timed(*args, **kwargs):
+            phases.calls[label] = phases.calls.get(label, 0) + 1
+            key = f"{label} #{phases.calls[label]}" if numbered else label
+            started = time.perf_counter()
+            phases.stack.append(0.0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                nested = phases.stack.pop()
+                phases.current[key] = phases.current.get(key, 0.0) + elapsed - nested
+                if phases.stack:
+                    phases.stack[-1] += elapsed
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.current, self.calls = self.current, {}, {}
+        return taken
+
+
+def _profile_ours() -> Phases:
+    try:  # the class the session's DataFrames are (Spark 4: classic)
+        from pyspark.sql.classic.dataframe import DataFrame
+    except ImportError:
+        from pyspark.sql import DataFrame
+
+    import pipelines.keyed._driver as driver
+    import pipelines.runner as runner
+    from pipelines import FileSource
+
+    phases = Phases()
+    phases.wrap(FileSource, "batches", "source: list files")
+    phases.wrap(FileSource, "read", "source: read plan")
+    phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
+    phases.wrap(DataFrame, "count", "count", numbered=True)
+    phases.wrap(DataFrame, "first", "first (event-time max)", numbered=True)
+    phases.wrap(driver, "apply_keyed_batch", "apply_keyed_batch (route + applyInArrow + "
+                "collect handles)")
+    phases.wrap(driver.KeyedStageDriver, "prepare", "prepare (materialise if due)")
+    phases.wrap(runner.StatefulRunner, "checkpoint", "checkpoint (_metadata, GC)")
+    phases.wrap(runner.StatefulRunner, "_recover_store", "recover checkpoint store")
+    return phases
+
+
+def _executor_timings(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path.unlink()
+    return rows
+
+
 def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
     """Our runner with a keyed stage (local stores, change files, periodic materialisation):
     one static partition per batch, a checkpoint after each, as for ``before``. Local stores
@@ -417,7 +490,10 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
     from checkpoint_storage import FileSystemCheckpointStorage
     from pipelines import StatefulRunner
 
+    timings = work / f"executor-timings-{phase}.jsonl"
+    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _spark.py
     spark = _spark("ours")
+    phases = _profile_ours()
     landing, names = _land(data, work, batches)
     pipeline = _ours_pipeline(workload, landing, names)
     storage = FileSystemCheckpointStorage(str(work / "checkpoint"))
@@ -427,21 +503,27 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
                             keyed_parallelism=KEYED_PARALLELISM, keyed_local_dir=str(local))
     if phase == "run":
         runner.run(names[:1])
+        phases.take()
+        _executor_timings(timings)
         written = WrittenBytes(work / "checkpoint")
-        written.look()
-        written.increments = {}
-        walls, cpus = [], []
+        written.start()
+        walls, cpus, profile, executor = [], [], [], []
         for name in names[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
             runner.run([name])
             walls.append(time.perf_counter() - t0)
             cpus.append(tree_cpu_seconds() - cpu0)
+            profile.append(phases.take())
+            executor.append(_executor_timings(timings))
             written.look()
         grown = written.increments
         return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
-                "bytes_by_kind": _ours_bytes_by_kind(grown)}  # fmt: skip
+                "bytes_by_kind": _ours_bytes_by_kind(grown), "profile": profile,
+                "executor": executor}  # fmt: skip
     runner.run([names[batches + 1]])
-    return {"recovery": time.perf_counter() - t0}
+    recovery = time.perf_counter() - t0
+    return {"recovery": recovery, "recovery_profile": phases.take(),
+            "recovery_executor": _executor_timings(timings)}
 
 
 def worker(args) -> None:
@@ -489,7 +571,8 @@ def run_system(system: str, workload: str, data: Path, batches: int) -> Measured
         return Measured(
             statistics.median(results["walls"]), statistics.median(results["cpus"]),
             results["bytes_per_batch"], results["recovery"],
-            {k: results[k] for k in ("bytes_by_kind", "walls", "load") if k in results},
+            {k: results[k] for k in ("bytes_by_kind", "walls", "profile", "executor",
+                                     "recovery_profile", "recovery_executor") if k in results},
         )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -510,7 +593,44 @@ def _detail(detail: dict, batches: int) -> str:
             f"{k} {mib(v / batches)}" for k, v in detail["bytes_by_kind"].items() if v))
     if "walls" in detail:
         parts.append("batch walls s: " + " ".join(f"{w:.2f}" for w in detail["walls"]))
-    return "; ".join(parts)
+    lines = ["; ".join(parts)]
+    if detail.get("profile"):
+        lines.append(_profile_lines(detail["profile"], detail.get("executor"), detail["walls"]))
+    if "recovery_profile" in detail:
+        lines.append("recovery: " + _phase_text(detail["recovery_profile"])
+                     + _executor_text(detail.get("recovery_executor") or []))
+    return "\n      ".join(lines)
+
+
+def _phase_text(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+                     if v >= 0.005)
+
+
+def _executor_text(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = [k for k in rows[0] if k.endswith("_s")]
+    return " | executor (per range, max): " + ", ".join(
+        f"{k[:-2]} {max(r.get(k, 0.0) for r in rows):.2f}" for k in keys)
+
+
+def _profile_lines(profile: list[dict], executor: list | None, walls: list[float]) -> str:
+    """Per phase, the median seconds over the timed batches (driver side, exclusive), and
+    the executor-side steps of the keyed stage per range."""
+    labels = sorted({k for p in profile for k in p})
+    medians = {k: statistics.median(p.get(k, 0.0) for p in profile) for k in labels}
+    accounted = [sum(p.values()) for p in profile]
+    medians["(rest of runner.run)"] = statistics.median(
+        w - a for w, a in zip(walls, accounted, strict=True))
+    text = "batch profile, median s: " + _phase_text(medians)
+    if executor and any(executor):
+        keys = [k for k in executor[0][0] if k.endswith("_s")] if executor[0] else []
+        per = {k: statistics.median(max((r.get(k, 0.0) for r in rows), default=0.0)
+                                    for rows in executor) for k in keys}
+        text += " | executor per range (median of the slower range): " + ", ".join(
+            f"{k[:-2]} {v:.2f}" for k, v in per.items())
+    return text
 
 
 def mib(n: float) -> str:

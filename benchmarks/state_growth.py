@@ -8,8 +8,13 @@ Systems (each run in its own process, interleaved, on the same Parquet batches):
   ``...rocksdb.changelogCheckpointing.enabled=true``), checkpoint on local disk;
 - ``ss-hdfs``: Structured Streaming with its default (HDFS-backed, in-memory) state store;
 - ``before``: our runner with a DataFrame stage, which snapshots the whole state each checkpoint;
-- ``ours``: our runner with a keyed stage (incremental checkpoints) — measured once keyed stages
-  are wired into the runner; until then it is reported as "not built" and its targets as missed.
+- ``ours``: our runner with a keyed stage (``KeyedStage``: local Arrow stores per key group
+  range, a change file per range and batch, periodic materialisation by the pipeline's default
+  ``MaterialisationPolicy(every=10, ratio=1.0, min_bytes=1 MiB)``), ``keyed_parallelism`` 2,
+  ``max_parallelism`` 128, checkpoint on local disk. Its recovery process starts without the
+  local stores (a new ``keyed_local_dir``) and rebuilds them from the checkpoint's chains, as
+  SS's recovery starts without its local RocksDB instances (they live in the stopped
+  SparkContext's temporary directory) and reloads them from its checkpoint.
 
 Workloads: ``aggregate`` (per-key count, sum and last time, update mode) and ``dedupe`` (drop
 events already seen within a two-day event-time window). Data: batch 0 holds S keys (the state
@@ -17,9 +22,14 @@ to start from, not timed); every later batch changes 1% of S (``--changed`` fixe
 instead, for the growth measurement).
 
 Per system and S it prints: bytes written per batch (all files that appear under the checkpoint
-directory, snapshots and maintenance included, amortised over the batches), batch wall and CPU
+directory after the initial state's checkpoint, snapshots and maintenance included, amortised
+over the timed batches; ours also by kind), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
-from the checkpoint and processing one more batch.
+from the checkpoint and processing one more batch. For ours it also prints the median time
+per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
+and, when ``pipelines/keyed/_spark.py`` is instrumented with
+``benchmarks/profile_keyed_executor.patch``, the executor steps per range. With more than one
+S and ``--changed``, it checks ours' growth from the smallest to the largest S (<= 1.3x).
 
     python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 8]
         [--repeats 2] [--systems ss-rocksdb,ss-hdfs,before] [--quick]

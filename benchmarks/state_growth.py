@@ -8,8 +8,13 @@ Systems (each run in its own process, interleaved, on the same Parquet batches):
   ``...rocksdb.changelogCheckpointing.enabled=true``), checkpoint on local disk;
 - ``ss-hdfs``: Structured Streaming with its default (HDFS-backed, in-memory) state store;
 - ``before``: our runner with a DataFrame stage, which snapshots the whole state each checkpoint;
-- ``ours``: our runner with a keyed stage (incremental checkpoints) — measured once keyed stages
-  are wired into the runner; until then it is reported as "not built" and its targets as missed.
+- ``ours``: our runner with a keyed stage (``KeyedStage``: local Arrow stores per key group
+  range, a change file per range and batch, periodic materialisation by the pipeline's default
+  ``MaterialisationPolicy(every=10, ratio=1.0, min_bytes=1 MiB)``), ``keyed_parallelism`` 2,
+  ``max_parallelism`` 128, checkpoint on local disk. Its recovery process starts without the
+  local stores (a new ``keyed_local_dir``) and rebuilds them from the checkpoint's chains, as
+  SS's recovery starts without its local RocksDB instances (they live in the stopped
+  SparkContext's temporary directory) and reloads them from its checkpoint.
 
 Workloads: ``aggregate`` (per-key count, sum and last time, update mode) and ``dedupe`` (drop
 events already seen within a two-day event-time window). Data: batch 0 holds S keys (the state
@@ -17,9 +22,14 @@ to start from, not timed); every later batch changes 1% of S (``--changed`` fixe
 instead, for the growth measurement).
 
 Per system and S it prints: bytes written per batch (all files that appear under the checkpoint
-directory, snapshots and maintenance included, amortised over the batches), batch wall and CPU
+directory after the initial state's checkpoint, snapshots and maintenance included, amortised
+over the timed batches; ours also by kind), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
-from the checkpoint and processing one more batch.
+from the checkpoint and processing one more batch. For ours it also prints the median time
+per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
+and, when ``pipelines/keyed/_spark.py`` is instrumented with
+``benchmarks/profile_keyed_executor.patch``, the executor steps per range. With more than one
+S and ``--changed``, it checks ours' growth from the smallest to the largest S (<= 1.3x).
 
     python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 8]
         [--repeats 2] [--systems ss-rocksdb,ss-hdfs,before] [--quick]
@@ -31,6 +41,7 @@ from the checkpoint and processing one more batch.
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -53,6 +64,10 @@ from _common import tree_cpu_seconds  # noqa: E402
 SYSTEMS = ("ss-rocksdb", "ss-hdfs", "before", "ours")
 WORKLOADS = ("aggregate", "dedupe")
 SHUFFLE_PARTITIONS = 4
+KEYED_PARALLELISM = 2  # key group ranges of our keyed stage: one per core of local[2]
+# The pipeline's default MaterialisationPolicy: a snapshot of a range after 10 change files,
+# or when its change files outgrow the last snapshot (at least 1 MiB).
+OURS_MATERIALISATION = {"every": 10, "ratio": 1.0, "min_bytes": 1 << 20}
 EVENT_SCHEMA = pa.schema(
     [
         ("user_id", pa.string()),
@@ -100,6 +115,14 @@ class WrittenBytes:
         self.root = root
         self.seen: dict[str, int] = {}
         self.total = 0
+        self.increments: dict[str, int] | None = None  # per path, once set to {}
+
+    def start(self) -> None:
+        """Take the directory as it is now as the starting point: only what appears after
+        it counts (the initial state's checkpoint is not a batch's)."""
+        self.look()
+        self.total = 0
+        self.increments = {}
 
     def look(self) -> int:
         new = 0
@@ -112,6 +135,9 @@ class WrittenBytes:
                     continue
                 if size > self.seen.get(path, 0):
                     new += size - self.seen.get(path, 0)
+                    if self.increments is not None:
+                        self.increments[path] = (self.increments.get(path, 0) + size
+                                                 - self.seen.get(path, 0))
                     self.seen[path] = size
         self.total += new
         return new
@@ -185,7 +211,7 @@ def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, 
         _feed(files[0], feed)
         query.processAllAvailable()  # the initial state, not timed
         written = WrittenBytes(checkpoint)
-        written.look()
+        written.start()
         walls, cpus = [], []
         for batch in files[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
@@ -270,7 +296,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
     if phase == "run":
         runner.run(names[:1])
         written = WrittenBytes(work / "checkpoint")
-        written.look()
+        written.start()
         walls, cpus = [], []
         for name in names[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
@@ -284,12 +310,240 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
     return {"recovery": time.perf_counter() - t0}
 
 
+
+# --- ours: keyed stages ---------------------------------------------------------------------
+
+AGGREGATE_STATE = pa.schema([
+    pa.field("user_id", pa.string(), nullable=False), ("events", pa.int64()),
+    ("total", pa.int64()), ("last_seen", EVENT_SCHEMA.field("ts").type),
+])  # fmt: skip
+DEDUPE_STATE = pa.schema([
+    pa.field("event_id", pa.string(), nullable=False), ("ts", EVENT_SCHEMA.field("ts").type),
+])  # fmt: skip
+
+
+def keyed_aggregate(input: pa.Table, state: pa.Table):
+    """Per user: count, sum of amount and newest ts, added to the user's state; the output is
+    the updated rows (what SS emits in update mode)."""
+    import pyarrow.compute as pc
+
+    from pipelines import KeyedResult
+
+    batch = input.group_by("user_id", use_threads=False).aggregate(
+        [([], "count_all"), ("amount", "sum"), ("ts", "max")])
+    both = batch.join(state, "user_id", join_type="left outer")
+    new, old = both.column("ts_max"), both.column("last_seen")
+    upserts = pa.table({
+        "user_id": both.column("user_id"),
+        "events": pc.add(both.column("count_all"), pc.fill_null(both.column("events"), 0)),
+        "total": pc.add(both.column("amount_sum"), pc.fill_null(both.column("total"), 0)),
+        "last_seen": pc.coalesce(pc.if_else(pc.greater(new, old), new, old), new, old),
+    })  # fmt: skip
+    return KeyedResult(upserts, AGGREGATE_STATE.empty_table().select(["user_id"]), upserts)
+
+
+def keyed_dedupe(input: pa.Table, state: pa.Table):
+    """The input's events whose event_id has no state, each once (the first in the batch):
+    the output (whole events, as SS's dropDuplicatesWithinWatermark emits) and the new state
+    rows. Rows behind the two-day window are dropped by the runner (the stage's event_time
+    and ttl), as SS drops rows behind its watermark."""
+    import pyarrow.compute as pc
+
+    from pipelines import KeyedResult
+
+    events = input.filter(pc.invert(pc.is_in(input.column("event_id"),
+                                             value_set=state.column("event_id"))))
+    if events.num_rows:
+        order = events.append_column("_row", pa.array(np.arange(events.num_rows)))
+        first = order.group_by("event_id", use_threads=False).aggregate([("_row", "min")])
+        if first.num_rows != events.num_rows:
+            events = events.take(np.sort(first.column("_row_min").to_numpy()))
+    upserts = events.select(DEDUPE_STATE.names)
+    return KeyedResult(upserts, DEDUPE_STATE.empty_table().select(["event_id"]), events)
+
+
+def _ours_pipeline(workload: str, landing: Path, names: list[str]):
+    import datetime as dt
+
+    import dagster as dg
+
+    from pipelines import (
+        FileSource,
+        KeyedStage,
+        MaterialisationPolicy,
+        StatefulPipeline,
+        StateTtl,  # fmt: skip
+        TtlTimeCharacteristic,
+    )
+
+    if workload == "aggregate":
+        stage = KeyedStage("aggregate", "user_id", AGGREGATE_STATE, keyed_aggregate)
+    else:
+        stage = KeyedStage(
+            "dedupe", "event_id", DEDUPE_STATE, keyed_dedupe,
+            ttl=StateTtl(dt.timedelta(days=2), TtlTimeCharacteristic.EVENT_TIME, "ts"),
+            output_schema=EVENT_SCHEMA, event_time="ts",
+        )  # fmt: skip
+    return StatefulPipeline(
+        name=f"state_growth_{workload}_keyed",
+        stages=[stage],
+        source=FileSource(url=str(landing) + "/{partition}", schema=EVENT_SCHEMA),
+        partitions=dg.StaticPartitionsDefinition(names),
+        checkpoint_interval=1,
+        max_retained_checkpoints=3,
+        max_parallelism=128,
+        materialisation=MaterialisationPolicy(**OURS_MATERIALISATION),
+    )
+
+
+def _land(data: Path, work: Path, batches: int) -> tuple[Path, list[str]]:
+    """One static partition per batch file (hard links), as for ``before``."""
+    names = [f"b{b:05d}" for b in range(batches + 2)]
+    landing = work / "landing"
+    for name, batch in zip(names, sorted(data.glob("batch-*.parquet")), strict=True):
+        (landing / name).mkdir(parents=True, exist_ok=True)
+        target = landing / name / batch.name
+        if not target.exists():
+            os.link(batch, target)
+    return landing, names
+
+
+def _ours_bytes_by_kind(paths: dict[str, int]) -> dict[str, int]:
+    """Bytes written by kind: change files, materialisations, ``_metadata``, other."""
+    kinds = {"change": 0, "materialisation": 0, "metadata": 0, "other": 0}
+    for path, size in paths.items():
+        name = Path(path).name
+        if name == "_metadata":
+            kinds["metadata"] += size
+        elif "/shared/" in path and re.search(r"-kg\d+-\d+-b\d+-a\d+-", name):
+            kinds["change"] += size
+        elif "/shared/" in path and re.search(r"-kg\d+-\d+-m\d+-a\d+-", name):
+            kinds["materialisation"] += size
+        else:
+            kinds["other"] += size
+    return kinds
+
+
+class Phases:
+    """Driver-side time per batch by phase (exclusive of nested phases): the functions of
+    the runner's keyed path wrapped in this worker process, behaviour unchanged."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.stack: list[float] = []
+
+    def wrap(self, owner, name: str, label: str, numbered: bool = False) -> None:
+        original = getattr(owner, name)
+        phases = self
+
+        def timed(*args, **kwargs):
+            phases.calls[label] = phases.calls.get(label, 0) + 1
+            key = f"{label} #{phases.calls[label]}" if numbered else label
+            started = time.perf_counter()
+            phases.stack.append(0.0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                nested = phases.stack.pop()
+                phases.current[key] = phases.current.get(key, 0.0) + elapsed - nested
+                if phases.stack:
+                    phases.stack[-1] += elapsed
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.current, self.calls = self.current, {}, {}
+        return taken
+
+
+def _profile_ours() -> Phases:
+    try:  # the class the session's DataFrames are (Spark 4: classic)
+        from pyspark.sql.classic.dataframe import DataFrame
+    except ImportError:
+        from pyspark.sql import DataFrame
+
+    import pipelines.keyed._driver as driver
+    import pipelines.runner as runner
+    from pipelines import FileSource
+
+    phases = Phases()
+    phases.wrap(FileSource, "batches", "source: list files")
+    phases.wrap(FileSource, "read", "source: read plan")
+    phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
+    phases.wrap(DataFrame, "count", "count", numbered=True)
+    phases.wrap(DataFrame, "first", "first (event-time max)", numbered=True)
+    phases.wrap(driver, "apply_keyed_batch", "apply_keyed_batch (route + applyInArrow + "
+                "collect handles)")
+    phases.wrap(driver.KeyedStageDriver, "prepare", "prepare (materialise if due)")
+    phases.wrap(runner.StatefulRunner, "checkpoint", "checkpoint (_metadata, GC)")
+    phases.wrap(runner.StatefulRunner, "_recover_store", "recover checkpoint store")
+    return phases
+
+
+def _executor_timings(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path.unlink()
+    return rows
+
+
+def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
+    """Our runner with a keyed stage (local stores, change files, periodic materialisation):
+    one static partition per batch, a checkpoint after each, as for ``before``. Local stores
+    live under ``work/local-<phase>``: the recovery process starts without them and rebuilds
+    them from the checkpoint's chains, as SS's recovery starts without its local RocksDB
+    instances (they live in the stopped SparkContext's temporary directory) and reloads them
+    from its checkpoint."""
+    from checkpoint_storage import FileSystemCheckpointStorage
+    from pipelines import StatefulRunner
+
+    timings = work / f"executor-timings-{phase}.jsonl"
+    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _spark.py
+    spark = _spark("ours")
+    phases = _profile_ours()
+    landing, names = _land(data, work, batches)
+    pipeline = _ours_pipeline(workload, landing, names)
+    storage = FileSystemCheckpointStorage(str(work / "checkpoint"))
+    local = work / f"local-{phase}"
+    t0 = time.perf_counter()
+    runner = StatefulRunner(spark, storage, pipeline, lease_owner="state_growth",
+                            keyed_parallelism=KEYED_PARALLELISM, keyed_local_dir=str(local))
+    if phase == "run":
+        runner.run(names[:1])
+        phases.take()
+        _executor_timings(timings)
+        written = WrittenBytes(work / "checkpoint")
+        written.start()
+        walls, cpus, profile, executor = [], [], [], []
+        for name in names[1 : batches + 1]:
+            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
+            runner.run([name])
+            walls.append(time.perf_counter() - t0)
+            cpus.append(tree_cpu_seconds() - cpu0)
+            profile.append(phases.take())
+            executor.append(_executor_timings(timings))
+            written.look()
+        grown = written.increments
+        return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
+                "bytes_by_kind": _ours_bytes_by_kind(grown), "profile": profile,
+                "executor": executor}  # fmt: skip
+    runner.run([names[batches + 1]])
+    recovery = time.perf_counter() - t0
+    return {"recovery": recovery, "recovery_profile": phases.take(),
+            "recovery_executor": _executor_timings(timings)}
+
+
 def worker(args) -> None:
     data, work = Path(args.data), Path(args.work)
     if args.system.startswith("ss-"):
         result = worker_ss(args.system, args.workload, data, work, args.batches, args.phase)
     elif args.system == "before":
         result = worker_before(args.workload, data, work, args.batches, args.phase)
+    elif args.system == "ours":
+        result = worker_ours(args.workload, data, work, args.batches, args.phase)
     else:
         raise SystemExit(f"state_growth: system {args.system!r} is not built yet")
     print("RESULT " + json.dumps(result), flush=True)
@@ -304,6 +558,7 @@ class Measured:
     batch_cpu: float
     bytes_per_batch: float
     recovery: float
+    detail: dict | None = None
 
 
 def run_system(system: str, workload: str, data: Path, batches: int) -> Measured | None:
@@ -326,6 +581,8 @@ def run_system(system: str, workload: str, data: Path, batches: int) -> Measured
         return Measured(
             statistics.median(results["walls"]), statistics.median(results["cpus"]),
             results["bytes_per_batch"], results["recovery"],
+            {k: results[k] for k in ("bytes_by_kind", "walls", "profile", "executor",
+                                     "recovery_profile", "recovery_executor") if k in results},
         )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -335,7 +592,55 @@ def best(runs: list[Measured]) -> Measured:
     return Measured(
         min(r.batch_wall for r in runs), min(r.batch_cpu for r in runs),
         min(r.bytes_per_batch for r in runs), min(r.recovery for r in runs),
+        min(runs, key=lambda r: r.bytes_per_batch).detail,
     )  # fmt: skip
+
+
+def _detail(detail: dict, batches: int) -> str:
+    parts = []
+    if "bytes_by_kind" in detail:
+        parts.append("bytes/batch by kind: " + ", ".join(
+            f"{k} {mib(v / batches)}" for k, v in detail["bytes_by_kind"].items() if v))
+    if "walls" in detail:
+        parts.append("batch walls s: " + " ".join(f"{w:.2f}" for w in detail["walls"]))
+    lines = ["; ".join(parts)]
+    if detail.get("profile"):
+        lines.append(_profile_lines(detail["profile"], detail.get("executor"), detail["walls"]))
+    if "recovery_profile" in detail:
+        lines.append("recovery: " + _phase_text(detail["recovery_profile"])
+                     + _executor_text(detail.get("recovery_executor") or []))
+    return "\n      ".join(lines)
+
+
+def _phase_text(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
+                     if v >= 0.005)
+
+
+def _executor_text(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = [k for k in rows[0] if k.endswith("_s")]
+    return " | executor (per range, max): " + ", ".join(
+        f"{k[:-2]} {max(r.get(k, 0.0) for r in rows):.2f}" for k in keys)
+
+
+def _profile_lines(profile: list[dict], executor: list | None, walls: list[float]) -> str:
+    """Per phase, the median seconds over the timed batches (driver side, exclusive), and
+    the executor-side steps of the keyed stage per range."""
+    labels = sorted({k for p in profile for k in p})
+    medians = {k: statistics.median(p.get(k, 0.0) for p in profile) for k in labels}
+    accounted = [sum(p.values()) for p in profile]
+    medians["(rest of runner.run)"] = statistics.median(
+        w - a for w, a in zip(walls, accounted, strict=True))
+    text = "batch profile, median s: " + _phase_text(medians)
+    if executor and any(executor):
+        keys = [k for k in executor[0][0] if k.endswith("_s")] if executor[0] else []
+        per = {k: statistics.median(max((r.get(k, 0.0) for r in rows), default=0.0)
+                                    for rows in executor) for k in keys}
+        text += " | executor per range (median of the slower range): " + ", ".join(
+            f"{k[:-2]} {v:.2f}" for k, v in per.items())
+    return text
 
 
 def mib(n: float) -> str:
@@ -379,8 +684,6 @@ def main(argv=None) -> None:
                 for r in range(args.repeats):
                     order = systems[r % len(systems) :] + systems[: r % len(systems)]
                     for system in order:
-                        if system == "ours":
-                            continue  # keyed stages are not wired into the runner yet
                         m = run_system(system, workload, data, args.batches)
                         if m is not None:
                             runs[system].append(m)
@@ -388,11 +691,14 @@ def main(argv=None) -> None:
                     table[(system, workload, size)] = best(runs[system]) if runs[system] else None
                     m = table[(system, workload, size)]
                     shown = (
-                        "not built" if system == "ours" else "failed" if m is None else
+                        "failed" if m is None else
                         f"{mib(m.bytes_per_batch)}/batch, batch {m.batch_wall:.2f} s wall "
                         f"{m.batch_cpu:.2f} s cpu, recovery {m.recovery:.2f} s"
                     )  # fmt: skip
                     print(f"S={size:>9,} {workload:<9} {system:<10} {shown}", flush=True)
+                    if m is not None and m.detail:
+                        print(f"    {system} detail: {_detail(m.detail, args.batches)}",
+                              flush=True)
             shutil.rmtree(data, ignore_errors=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -417,6 +723,33 @@ def main(argv=None) -> None:
                 checks.append(ok)
                 print(f"{workload} S={size:,} {label}: {ratio:.2f}x SS RocksDB "
                       f"(target <= {limit}x): {'ok' if ok else 'MISSED'}")  # fmt: skip
+    if len(sizes) > 1:
+        small, large = min(sizes), max(sizes)
+        fixed = args.changed is not None
+        for workload in workloads:
+            for system in ("ss-rocksdb", "ours"):
+                a, b = table.get((system, workload, small)), table.get((system, workload, large))
+                for label, get in (("batch wall", lambda m: m.batch_wall),
+                                   ("bytes/batch", lambda m: m.bytes_per_batch)):
+                    if system != "ours":
+                        if a is not None and b is not None:
+                            print(f"{workload} growth S={small:,}->{large:,} {label} "
+                                  f"(ss-rocksdb, for reference): {get(b) / get(a):.2f}x")
+                        continue
+                    name = (f"{workload} growth S={small:,}->{large:,} {label} at "
+                            f"{args.changed:,} changed keys") if fixed else None
+                    if name is None:
+                        print(f"{workload} growth {label}: not checked (pass --changed to fix "
+                              "the number of changed keys)")
+                        continue
+                    if a is None or b is None:
+                        checks.append(False)
+                        print(f"{name} <= 1.3x: MISSED (not measured)")
+                        continue
+                    ratio = get(b) / get(a)
+                    checks.append(ratio <= 1.3)
+                    print(f"{name}: {ratio:.2f}x (target <= 1.3x): "
+                          f"{'ok' if ratio <= 1.3 else 'MISSED'}")
     print(f"targets: {sum(checks)}/{len(checks)} met")
 
 

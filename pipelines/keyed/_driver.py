@@ -107,7 +107,7 @@ class KeyedStageDriver:
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
                  max_parallelism: int, parallelism: int, policy: MaterialisationPolicy,
-                 local_dir: str | None = None) -> None:
+                 local_dir: str | None = None, after_write=None) -> None:
         compute_key_group_range_for_operator_index(max_parallelism, parallelism, 0)
         self.spark = spark
         self.storage = storage
@@ -116,6 +116,7 @@ class KeyedStageDriver:
         self.parallelism = parallelism
         self.policy = policy
         self.local_dir = local_dir
+        self.after_write = after_write  # test seam: KeyedStageTask.after_write
 
     # --- states ----------------------------------------------------------------------------
 
@@ -175,7 +176,8 @@ class KeyedStageDriver:
         return KeyedStageTask(
             self.storage, self.job_id, checkpoint_id, reference, state.stage,
             state.stage.output_schema, self.max_parallelism,
-            parallelism or state.parallelism, state.chains, batch, now, self.local_dir)
+            parallelism or state.parallelism, state.chains, batch, now, self.local_dir,
+            self.after_write)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

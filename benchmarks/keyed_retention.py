@@ -76,7 +76,6 @@ def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: in
     import dagster as dg
 
     from checkpoint_storage import FileSystemCheckpointStorage
-
     from pipelines import (
         KeyedStage,
         MaterialisationPolicy,

@@ -20,8 +20,8 @@ executors) and the Python worker that triggers it, once it reaches POINT:
 
 Before the kill it writes the point to ``<work dir>/killed``. A run that completes prints
 ``RESULT <json>``. ``--task-kills`` (use a master with retries, e.g. ``local[2,3]``): attempt
-0 of range 0 raises and attempt 0 of range 1 exits (its Python worker dies) after each state
-file it writes and its local store's update. ``--straggle`` (a two-host cluster with
+0 of range 1 exits (its Python worker dies) and attempt 1 of range 0 raises after each state
+file they write and their local store's update. ``--straggle`` (a two-host cluster with
 speculation): attempt 0 of range 1 stalls after its writes, so a speculative copy overtakes it.
 """
 
@@ -167,13 +167,16 @@ def kill_hook(point: str):
     return hook
 
 
-def kill_attempt_zero(subtask: int, attempt: int) -> None:
-    """``task_after_write``: attempt 0 of range 0 fails, of range 1 its worker dies, after the
-    state file is written and the local store updated."""
-    if attempt == 0 and subtask == 0:
-        raise RuntimeError("injected failure of attempt 0 after its write")
+def kill_after_writes(subtask: int, attempt: int) -> None:
+    """``task_after_write``: after its state file is written and its local store updated,
+    attempt 0 of range 1 dies (its Python worker exits) and attempt 1 of range 0 raises; the
+    retries succeed. (Ranges can share a Spark task: hash partitioning sends operator indices
+    0 and 1 to one shuffle partition of 4, and to one of 2 when materialising, so range 0
+    fails at attempt 1, after range 1's worker died at attempt 0 of the same task.)"""
     if attempt == 0 and subtask == 1:
         os._exit(17)
+    if attempt == 1 and subtask == 0:
+        raise RuntimeError("injected failure of attempt 1 after its write")
 
 
 def straggle(subtask: int, attempt: int) -> None:
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         hook = None
         if args.kill and args.kill.startswith("hook:"):
             hook = kill_hook(args.kill)
-        after_write = kill_attempt_zero if args.task_kills else (
+        after_write = kill_after_writes if args.task_kills else (
             straggle if args.straggle else None)
         runner = StatefulRunner(
             spark, storage, faults_pipeline(work, args.batches), fault_hook=hook,

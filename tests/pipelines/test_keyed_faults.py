@@ -7,6 +7,7 @@ the state sink and the output sink with a dict recomputation: updates lost or ap
 The killed runs happen in a subprocess (keyed_fault_driver.py); this process resumes them.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
+import scenarios_crash  # noqa: E402 - the two-host cluster harness
 
 from checkpoint_storage import collect_garbage
 from pipelines import StatefulRunner
@@ -28,10 +32,11 @@ DRIVER = Path(driver.__file__)
 DRIVER_TIMEOUT = 240
 
 
-def run_driver(work: Path, partitions: list[str], *args: str) -> subprocess.CompletedProcess:
+def run_driver(work: Path, partitions: list[str], *args: str, env: dict | None = None,
+               timeout: float = DRIVER_TIMEOUT) -> subprocess.CompletedProcess:
     """Run keyed_fault_driver.py to its end or its kill; its whole process group is killed
     afterwards (the JVM and Python workers of a killed driver)."""
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in (os.environ if env is None else env).items()
            if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
     proc = subprocess.Popen(
         [sys.executable, str(DRIVER), "--work-dir", str(work), "--partitions",
@@ -39,12 +44,10 @@ def run_driver(work: Path, partitions: list[str], *args: str) -> subprocess.Comp
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=DRIVER_TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         if proc.poll() is None:
             proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -149,15 +152,17 @@ def test_driver_sigkill_then_resume_is_exactly_once(spark, tmp_path, point):
 
 
 def test_task_attempts_failing_after_their_writes_apply_each_batch_once(spark, tmp_path):
-    """With attempt 0 of each range failing (one raising, one whose worker dies) after every
-    change file and materialisation it wrote and its local store's update, Spark's retries
-    apply each batch once: state and sinks equal a recomputation."""
+    """With attempt 0 of range 1 dying and attempt 1 of range 0 raising after every change
+    file and snapshot they wrote and their local store's update, Spark's retries apply each
+    batch once: state and sinks equal a recomputation, no failed attempt's file referenced."""
     done = run_driver(tmp_path, ["p1"], "--task-kills", "--master", "local[2,3]")
     assert 0 == done.returncode, done.stderr[-3000:]
     runner = resumer(spark, tmp_path)
 
     files = [h.path for h in runner.store.latest().metadata.all_handles() if hasattr(h, "path")]
-    assert (6, []) == (len(files), [p for p in files if "-a1-" not in p])  # 2 x (snapshot, 2 changes)
+    failed = [p for p in files if "-kg8-15-" in p and "-a0-" in p
+              or "-kg0-7-" in p and "-a1-" in p]
+    assert (6, []) == (len(files), failed)  # 2 ranges x (snapshot, 2 change files)
     assert_exactly_once(runner, tmp_path, ["p1"])
 
 
@@ -181,3 +186,34 @@ def test_rescaling_2_3_2_with_a_kill_mid_rescale_equals_a_recomputation(spark, t
     two.run(["p3"])
     assert 2 == two.store.latest().metadata.operator_states[0].parallelism
     assert_exactly_once(two, tmp_path, ["p1", "p2", "p3"], batches=2)
+
+
+@pytest.mark.timeout(900, method="signal")  # signal: the cluster's teardown still runs
+def test_speculative_copies_of_a_range_apply_each_batch_once(spark, tmp_path):
+    """On a two-host cluster with speculation, attempt 0 of range 1 straggles after each
+    write (its local store updated) and a copy on the other host wins: state and sinks equal
+    a recomputation, and range 1's referenced files are the copies'."""
+    work = tmp_path / "driver"
+    work.mkdir()
+    with scenarios_crash.two_host_cluster(tmp_path / "cluster") as cluster:
+        done = run_driver(work, ["p1"], "--master", cluster.url, "--straggle",
+                          env=cluster.env(), timeout=600)
+    assert 0 == done.returncode, done.stderr[-3000:]
+    runner = resumer(spark, work)
+
+    files = [h.path for h in runner.store.latest().metadata.all_handles() if hasattr(h, "path")]
+    assert [] == [p for p in files if "-kg8-15-" in p and "-a0-" in p]
+    assert_exactly_once(runner, work, ["p1"])
+
+
+def test_retention_after_many_batches_keeps_only_what_retained_checkpoints_reference(
+        spark, tmp_path):
+    """benchmarks/keyed_retention.py with 12 batches over 2 partitions, retention 3: shared
+    files == referenced files, chk-* == retained, state == recomputation."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import keyed_retention
+
+    report = keyed_retention.check(spark, tmp_path, 12, max_retained=3, partitions=2)
+
+    assert ([], [], []) == (report.unreferenced, report.missing, report.other_entries)
+    assert (report.retained, 3, True) == (report.chk_dirs, len(report.retained), report.state_ok)

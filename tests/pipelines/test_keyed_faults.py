@@ -151,11 +151,12 @@ def test_driver_sigkill_then_resume_is_exactly_once(spark, tmp_path, point):
     assert_exactly_once(runner, tmp_path, ["p1"])
 
 
+@pytest.mark.timeout(900)  # 3 attempts per task, each rebuilding its ranges' stores
 def test_task_attempts_failing_after_their_writes_apply_each_batch_once(spark, tmp_path):
     """With attempt 0 of range 1 dying and attempt 1 of range 0 raising after every change
     file and snapshot they wrote and their local store's update, Spark's retries apply each
     batch once: state and sinks equal a recomputation, no failed attempt's file referenced."""
-    done = run_driver(tmp_path, ["p1"], "--task-kills", "--master", "local[2,3]")
+    done = run_driver(tmp_path, ["p1"], "--task-kills", "--master", "local[2,3]", timeout=600)
     assert 0 == done.returncode, done.stderr[-3000:]
     runner = resumer(spark, tmp_path)
 

@@ -260,7 +260,8 @@ class StatefulRunner:
 
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
-    state file is written."""
+    state file is written (a keyed stage's: subtask = range, after a change file or
+    materialisation and the local store's update)."""
 
     def __init__(
         self,
@@ -294,7 +295,8 @@ class StatefulRunner:
         if pipeline.keyed_stages:
             self._keyed = KeyedStageDriver(
                 spark, storage, str(self.job_id), pipeline.max_parallelism,
-                pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir)
+                pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir,
+                task_after_write)
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None

@@ -108,7 +108,7 @@ class KeyedStageDriver:
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
                  max_parallelism: int, parallelism: int | None, policy: MaterialisationPolicy,
-                 local_dir: str | None = None) -> None:
+                 local_dir: str | None = None, after_write=None) -> None:
         self.spark = spark
         self.storage = storage
         self.job_id = job_id
@@ -116,6 +116,7 @@ class KeyedStageDriver:
         self._parallelism = parallelism
         self.policy = policy
         self.local_dir = local_dir
+        self.after_write = after_write  # test seam: KeyedStageTask.after_write
 
     @property
     def parallelism(self) -> int:
@@ -185,7 +186,8 @@ class KeyedStageDriver:
         return KeyedStageTask(
             self.storage, self.job_id, checkpoint_id, reference, state.stage,
             state.stage.output_schema, self.max_parallelism,
-            parallelism or state.parallelism, state.chains, batch, now, self.local_dir)
+            parallelism or state.parallelism, state.chains, batch, now, self.local_dir,
+            self.after_write)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

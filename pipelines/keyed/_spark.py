@@ -21,7 +21,7 @@ import hashlib
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -160,7 +160,10 @@ class KeyedStageTask:
     for a materialisation any chains covering all key groups (e.g. another parallelism's:
     that is rescaling). ``now``: the batch's time for state expiry (processing-time stamps and
     the cutoff); None when the stage has no ``ttl``. ``local_dir``: the base directory of the
-    local stores on each executor (None: the executor's temp directory)."""
+    local stores on each executor (None: the executor's temp directory). ``after_write``: a
+    test seam, ``after_write(operator_index, attempt)`` runs on the executor once a range's
+    change file or snapshot is written and its local store updated, before the result
+    reaches the driver (the runner's ``task_after_write``)."""
 
     storage: CheckpointStorage
     job_id: str
@@ -174,6 +177,8 @@ class KeyedStageTask:
     batch: int
     now: dt.datetime | None = None
     local_dir: str | None = None
+    after_write: Callable[[int, int], None] | None = field(default=None, compare=False,
+                                                            repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chains", tuple(
@@ -363,6 +368,8 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
             stats["state_rows"] = store.num_rows
         finally:
             store.close()
+    if task.after_write is not None:
+        task.after_write(operator_index, attempt)
     output = _conform_output(result.output, task)
     stats["output_rows"] = output.num_rows
     rows = [_handle_row(_CHANGE, operator_index, attempt, change,
@@ -590,6 +597,8 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool,
                                                           [KeyedStateChain(key_groups, handle)]))
                 finally:
                     store.close()
+            if task.after_write is not None:
+                task.after_write(operator_index, attempt)
             stats["state_rows"] = written[0]
             row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, written[0],
                               stats)

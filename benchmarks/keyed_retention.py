@@ -1,0 +1,172 @@
+"""Issue 12's retention check over a keyed pipeline: after N batches (default 1,000) with a
+checkpoint after every batch and retention 3, the job directory holds only what the retained
+checkpoints reference.
+
+Usage::
+
+    .venv/bin/python benchmarks/keyed_retention.py [--batches 1000] [--retained 3]
+        [--partitions 1] [--work-dir DIR] [--progress 50]
+
+The pipeline is test_keyed_runner's per-customer totals (a keyed stage, 16 key groups on 2
+ranges, local[2]), materialising a range after every 3 change files, over ``--batches``
+batches split across ``--partitions`` partitions (one run), so shared files are superseded
+and discarded the whole time. At the end (after the registry's pending deletions):
+
+- ``shared/`` files == the files the retained checkpoints reference;
+- ``chk-*`` directories == the retained checkpoints (nothing else below the job directory
+  but ``shared/``, ``taskowned/`` and the lease);
+- the state equals a dict recomputation.
+
+Prints one line per check and ``retention: ok`` or ``retention: FAILED``; exits 1 on failure.
+``tests/pipelines/test_keyed_faults.py`` runs ``check`` with a few batches.
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass
+class RetentionReport:
+    batches: int
+    seconds: float
+    retained: list[int]
+    chk_dirs: list[int]
+    shared: int
+    referenced: int
+    unreferenced: list[str]
+    missing: list[str]
+    other_entries: list[str]
+    state_ok: bool
+    max_retained: int
+
+    @property
+    def ok(self) -> bool:
+        return (not self.unreferenced and not self.missing and not self.other_entries
+                and self.retained == self.chk_dirs and len(self.retained) == self.max_retained
+                and self.state_ok)
+
+    def lines(self) -> list[str]:
+        return [
+            f"batches: {self.batches} in {self.seconds:.0f} s "
+            f"({self.seconds / max(self.batches, 1):.2f} s/batch)",
+            f"retained checkpoints: {self.retained} (max {self.max_retained})",
+            f"chk-* directories: {self.chk_dirs}",
+            f"shared/ files: {self.shared}, referenced by retained checkpoints: "
+            f"{self.referenced}, unreferenced: {len(self.unreferenced)}, "
+            f"missing: {len(self.missing)}",
+            f"other entries in the job directory: {self.other_entries}",
+            f"state equals a recomputation: {self.state_ok}",
+            f"retention: {'ok' if self.ok else 'FAILED'}",
+        ]
+
+
+def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: int = 1,
+          progress=None) -> RetentionReport:
+    """Run the keyed totals pipeline over ``batches`` batches (checkpoint every batch,
+    ``max_retained`` retained) in ``work``, then compare the job directory with the retained
+    checkpoints."""
+    import dagster as dg
+
+    from checkpoint_storage import FileSystemCheckpointStorage
+    from pipelines import (
+        KeyedStage,
+        MaterialisationPolicy,
+        StatefulPipeline,
+        StatefulRunner,
+    )
+    from tests.pipelines import test_keyed_runner as totals
+    from tests.pipelines.keyed_fault_driver import Orders
+
+    per_partition = -(-batches // partitions)
+    names = [f"r{i:03d}" for i in range(partitions)]
+    source = Orders(per_partition=per_partition)
+    pipeline = StatefulPipeline(
+        name="keyed_retention",
+        stages=[KeyedStage("totals", "customer", totals.TOTALS, totals.customer_totals)],
+        source=source,
+        partitions=dg.StaticPartitionsDefinition(names),
+        checkpoint_interval=1,
+        max_retained_checkpoints=max_retained,
+        max_parallelism=16,
+        materialisation=MaterialisationPolicy(every=3, min_bytes=0),
+        keyed_parallelism=2,
+    )
+    storage = FileSystemCheckpointStorage(str(work / "checkpoints"),
+                                          file_state_size_threshold=0)
+    runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(work / "local"))
+    started = time.monotonic()
+    runner.run(names, on_progress=progress)
+    seconds = time.monotonic() - started
+    runner.store.shared_state_registry.wait_for_pending_deletions()
+
+    job = work / "checkpoints" / str(runner.job_id)
+    retained = [c.checkpoint_id for c in runner.store.all()]
+    chk_dirs = sorted(int(p.name[4:]) for p in job.iterdir() if p.name.startswith("chk-"))
+    referenced = {h.path for c in runner.store.all() for h in c.metadata.all_handles()
+                  if hasattr(h, "path")}
+    shared = {str(p) for p in (job / "shared").rglob("*") if p.is_file()}
+    other = sorted(p.name for p in job.iterdir() if not p.name.startswith("chk-")
+                   and p.name not in ("shared", "taskowned", "_lease"))
+    other += sorted(str(p) for p in (job / "taskowned").rglob("*") if p.is_file())
+
+    model: dict[str, tuple[int, int]] = {}
+    for name in names:
+        for batch in source.batches(None, name):
+            for customer, amount in source.rows(batch):
+                orders, total = model.get(customer, (0, 0))
+                model[customer] = (orders + 1, total + amount)
+    rows = runner.restore_states(runner.store.latest().metadata)["totals"].collect()
+    state = {r["customer"]: (r["orders"], r["total"]) for r in rows}
+    return RetentionReport(
+        per_partition * partitions, seconds, retained, chk_dirs, len(shared), len(referenced),
+        sorted(shared - referenced), sorted(referenced - shared), other,
+        len(rows) == len(state) and state == model, max_retained)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, default=1000)
+    parser.add_argument("--retained", type=int, default=3)
+    parser.add_argument("--partitions", type=int, default=1)
+    parser.add_argument("--work-dir")
+    parser.add_argument("--progress", type=int, default=50, help="a line every N batches")
+    args = parser.parse_args()
+
+    from pyspark import cloudpickle
+
+    from resources import build_spark_session
+    from tests.pipelines import test_keyed_runner
+
+    cloudpickle.register_pickle_by_value(test_keyed_runner)
+    spark = build_spark_session("local[2]", "keyed-retention", {
+        "spark.sql.shuffle.partitions": "4", "spark.ui.enabled": "false"})
+    spark.sparkContext.setLogLevel("ERROR")
+    started = time.monotonic()
+
+    def progress(line: str) -> None:
+        if "batch " in line and " of " in line and "rows in" in line:
+            done = int(line.split("batch ")[1].split(" of")[0])
+            if done % args.progress == 0:
+                print(f"  {line} ({time.monotonic() - started:.0f} s)", flush=True)
+
+    with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+        report = check(spark, Path(work), args.batches, args.retained, args.partitions,
+                       progress)
+    spark.stop()
+    for line in report.lines():
+        print(line)
+    for path in report.unreferenced[:5] + report.missing[:5]:
+        print(f"  {path}")
+    sys.exit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,7 @@ Systems (each run in its own process, interleaved, on the same Parquet batches):
 - ``before``: our runner with a DataFrame stage, which snapshots the whole state each checkpoint;
 - ``ours``: our runner with a keyed stage (``KeyedStage``: local Arrow stores per key group
   range, a change file per range and batch, periodic materialisation by the pipeline's default
-  ``MaterialisationPolicy(every=10, ratio=1.0, min_bytes=1 MiB)``), ``keyed_parallelism`` 2,
+  ``MaterialisationPolicy(ratio=1.0, min_bytes=1 MiB)``), ``keyed_parallelism`` 2,
   ``max_parallelism`` 128, checkpoint on local disk. Its recovery process starts without the
   local stores (a new ``keyed_local_dir``) and rebuilds them from the checkpoint's chains, as
   SS's recovery starts without its local RocksDB instances (they live in the stopped
@@ -65,9 +65,9 @@ SYSTEMS = ("ss-rocksdb", "ss-hdfs", "before", "ours")
 WORKLOADS = ("aggregate", "dedupe")
 SHUFFLE_PARTITIONS = 4
 KEYED_PARALLELISM = 2  # key group ranges of our keyed stage: one per core of local[2]
-# The pipeline's default MaterialisationPolicy: a snapshot of a range after 10 change files,
-# or when its change files outgrow the last snapshot (at least 1 MiB).
-OURS_MATERIALISATION = {"every": 10, "ratio": 1.0, "min_bytes": 1 << 20}
+# The pipeline's default MaterialisationPolicy: a snapshot of a range when its change files
+# outgrow its base (the last snapshot, or the chain's first change file; at least 1 MiB).
+OURS_MATERIALISATION = {"every": None, "ratio": 1.0, "min_bytes": 1 << 20}
 EVENT_SCHEMA = pa.schema(
     [
         ("user_id", pa.string()),

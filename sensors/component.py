@@ -165,7 +165,7 @@ class StatefulPipelineScaffolder(dg.Scaffolder):
 class MaterialisationSpec(dg.Model):
     """A keyed stage's materialisation policy (``pipelines.MaterialisationPolicy``)."""
 
-    every: int = MaterialisationPolicy.every
+    every: int | None = MaterialisationPolicy.every
     ratio: float = MaterialisationPolicy.ratio
     min_bytes: int = MaterialisationPolicy.min_bytes
 

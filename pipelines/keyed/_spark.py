@@ -1,7 +1,7 @@
 """The Spark side of a keyed stage: what runs on the executors for one batch, and the driver's
 bookkeeping of the chains (docs/design.md, "Keyed state", 7.5).
 
-Rows reach their key group range by ``groupBy(<operator index>).applyInArrow``: one call per
+Rows reach their key group range by ``repartition(<range's route>).mapInArrow``: one call per
 range and batch, whichever task or executor runs it, so correctness never depends on
 placement. Each call is shipped its range's chain as of the last completed checkpoint; the
 local store is a cache of that chain, and its ``version`` names the chain it holds (a digest of
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
@@ -76,6 +77,8 @@ __all__ = [
 
 OPERATOR_INDEX = "_operator_index"
 """The column ``apply_keyed_batch`` adds to route rows: the task (range) that owns each key."""
+_ROUTE = "_route"  # a value per range that Spark's hash partitioning sends to its own partition
+_ROUTES: dict[int, tuple[int, ...]] = {}
 
 _OUTPUT = "output"
 _CHANGE = "change"
@@ -324,19 +327,54 @@ def _handle_row(kind: str, operator_index: int, attempt: int, handle: StreamStat
             "rows": rows, **stats, **ref}
 
 
-def _operator_indices(task: KeyedStageTask,
+def _routes(spark: SparkSession, partitions: int) -> tuple[int, ...]:
+    """For each partition ``i`` of ``partitions``, an int that Spark's hash partitioning
+    (``pmod(murmur3(value, 42), partitions)``, what ``repartition(n, column)`` uses) sends to
+    partition ``i``: routing by it gives each range a Spark task of its own."""
+    if partitions not in _ROUTES:
+        found: dict[int, int] = {}
+        candidates = 64 * partitions
+        while len(found) < partitions:
+            rows = spark.range(candidates).select(
+                F.col("id").cast("int").alias("value"),
+                F.pmod(F.hash(F.col("id").cast("int")), F.lit(partitions)).alias("partition"),
+            ).collect()
+            for row in rows:
+                found.setdefault(row["partition"], row["value"])
+            candidates *= 4
+        _ROUTES[partitions] = tuple(found[i] for i in range(partitions))
+    return _ROUTES[partitions]
+
+
+def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...],
                       batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body: each row's owning range, from the stable key hash."""
+    """``mapInArrow`` body: each row's owning range, from the stable key hash, and its
+    range's route."""
     key = task.stage.key
     for batch in batches:
         groups = hash_keys(pa.Table.from_batches([batch]), key) % task.max_parallelism
         # Flink's compute_operator_index_for_key_group, vectorised
         indices = (groups.astype("int64") * task.parallelism // task.max_parallelism)
-        yield batch.append_column(OPERATOR_INDEX, pa.array(indices.astype("int32")))
+        batch = batch.append_column(OPERATOR_INDEX, pa.array(indices.astype("int32")))
+        yield batch.append_column(_ROUTE, pa.array(np.asarray(routes, dtype="int32")[indices]))
+
+
+def _run_partition(task: KeyedStageTask,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body after routing: the rows of one range (or none)."""
+    batches = [b for b in batches if b.num_rows]
+    if not batches:
+        return
+    table = pa.Table.from_batches(batches)
+    indices = pc.unique(table.column(OPERATOR_INDEX))
+    if len(indices) != 1:
+        raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
+                           f"{indices.to_pylist()} reached one task; routing is broken")
+    yield from _run_range(task, (indices[0],), table.drop_columns([_ROUTE])).to_batches()
 
 
 def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table:
-    """``applyInArrow`` body for one range and batch: bring the local store to the shipped
+    """The work of one range and batch: bring the local store to the shipped
     chain, run the stage, write the change file, apply the changes to the store; return the
     output rows (IPC payloads) and one handle row."""
     operator_index = group_key[0].as_py()
@@ -468,7 +506,7 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
 
 def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     """Run one batch of a keyed stage: route rows to their range by key group, run the stage
-    once per range that has rows (``groupBy(operator index).applyInArrow``), write each
+    once per range that has rows (one Spark task per range), write each
     range's change file; returns the output and one ``KeyedRangeResult`` per range with rows.
     ``task.chains`` must be range ``i`` of ``task.parallelism`` each: after a change of
     parallelism, ``materialise_keyed_state`` the new ranges first."""
@@ -482,14 +520,14 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
                          f"{list(task.stage.key)} and no column {OPERATOR_INDEX}; it has "
                          f"{input.columns}")
     routed_type = T.StructType([*input.schema.fields,
-                                T.StructField(OPERATOR_INDEX, T.IntegerType(), False)])
-    routed = input.mapInArrow(partial(_operator_indices, task), routed_type)
-
-    def run_range(group_key, table):  # a plain function: Spark inspects its signature
-        return _run_range(task, group_key, table)
-
-    cached = routed.groupBy(OPERATOR_INDEX).applyInArrow(
-        run_range, from_arrow_schema(_RESULT_SCHEMA)
+                                T.StructField(OPERATOR_INDEX, T.IntegerType(), False),
+                                T.StructField(_ROUTE, T.IntegerType(), False)])
+    routes = _routes(input.sparkSession, task.parallelism)
+    routed = input.mapInArrow(partial(_operator_indices, task, routes), routed_type)
+    # One Spark task per range: repartition(n, column) is never coalesced by adaptive
+    # execution, and each range's route hashes to its own partition.
+    cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
+        partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
     ).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
@@ -521,27 +559,35 @@ def extend_chains(chains: Sequence[KeyedStateChain],
 @dataclass(frozen=True)
 class MaterialisationPolicy:
     """When a range's chain is replaced by a snapshot (Flink's periodic materialisation):
-    after ``every`` change files, or when its change files' bytes exceed ``ratio`` times the
-    last snapshot's (at least ``min_bytes``, so that small states do not snapshot at every
-    checkpoint)."""
+    when the change files since its base outgrow ``ratio`` times the base (at least
+    ``min_bytes``, so that small states do not snapshot at every checkpoint), or after
+    ``every`` change files if set. The base is the chain's snapshot, or, for a chain that
+    started empty, its first change file (which then holds the whole range).
 
-    every: int = 10
+    Bytes written per batch are then about the change files' times ``1 + 1/ratio``, whatever
+    the state's size; a restore without local stores replays at most ``1 + ratio`` times the
+    snapshot's bytes."""
+
+    every: int | None = None
     ratio: float = 1.0
     min_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.ratio <= 0 or self.min_bytes < 0:
-            raise ValueError(f"MaterialisationPolicy: every >= 1, ratio > 0 and min_bytes >= 0, "
-                             f"got {self}")
+        if (self.every is not None and self.every < 1) or self.ratio <= 0 or self.min_bytes < 0:
+            raise ValueError(f"MaterialisationPolicy: every >= 1 (or None), ratio > 0 and "
+                             f"min_bytes >= 0, got {self}")
 
     def due(self, chain: KeyedStateChain) -> bool:
         if not chain.changes:
             return False
-        if len(chain.changes) >= self.every:
+        if self.every is not None and len(chain.changes) >= self.every:
             return True
-        snapshot = 0 if chain.materialisation is None else chain.materialisation.state_size
-        changed = sum(h.state_size for h in chain.changes)
-        return changed > self.ratio * max(snapshot, self.min_bytes)
+        if chain.materialisation is None:
+            base, since = chain.changes[0].state_size, chain.changes[1:]
+        else:
+            base, since = chain.materialisation.state_size, chain.changes
+        changed = sum(h.state_size for h in since)
+        return changed > self.ratio * max(base, self.min_bytes)
 
 
 def ranges_to_materialise(chains: Sequence[KeyedStateChain],
@@ -614,8 +660,9 @@ def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
         return None
     for index in indices:
         task.key_groups(index)  # checks the index
-    frame = spark.createDataFrame([(i,) for i in indices], f"{OPERATOR_INDEX} int")
-    return frame.repartition(len(indices), OPERATOR_INDEX)
+    # One row per slice: one Spark task per range, no shuffle.
+    rows = spark.sparkContext.parallelize([(i,) for i in indices], len(indices))
+    return spark.createDataFrame(rows, f"{OPERATOR_INDEX} int")
 
 
 def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,

@@ -208,8 +208,9 @@ def test_materialisation_resets_the_chains_and_keeps_the_state(spark, job):
 
 
 def test_materialisation_policy_counts_changes_and_bytes():
-    """The policy is due after ``every`` change files, or when changes outgrow ``ratio`` of
-    the snapshot (at least ``min_bytes``), and never for a chain without changes."""
+    """The policy is due after ``every`` change files, or when the changes since the base (the
+    snapshot, or a chain's first change file) outgrow ``ratio`` of it (at least ``min_bytes``),
+    and never for a chain without changes."""
     from checkpoint_storage import ByteStreamStateHandle
 
     def chain(snapshot: int | None, changes: list[int]) -> KeyedStateChain:
@@ -220,7 +221,7 @@ def test_materialisation_policy_counts_changes_and_bytes():
 
     policy = MaterialisationPolicy(every=3, ratio=0.5, min_bytes=10)
     chains = [chain(100, []), chain(100, [10, 10]), chain(100, [30, 30]), chain(100, [1, 1, 1]),
-              chain(None, [2, 2]), chain(None, [4, 4])]
+              chain(None, [2, 2]), chain(None, [4, 8])]
     assert [2, 3, 5] == ranges_to_materialise(chains, policy)
 
 

@@ -588,6 +588,20 @@ def run_system(system: str, workload: str, data: Path, batches: int) -> Measured
         shutil.rmtree(work, ignore_errors=True)
 
 
+def steady_bytes_per_batch(m: Measured, batches: int) -> float:
+    """Ours in steady state: the change files, plus the materialisations the policy writes
+    for them (a snapshot once the changes outgrow ``ratio`` times the base, so
+    ``1/ratio`` of the change bytes per batch, whatever the state's size), plus the rest
+    (``_metadata``); a window of a few batches may hold no materialisation or one, so the
+    target takes the larger of this and the window's measured bytes."""
+    kinds = (m.detail or {}).get("bytes_by_kind")
+    if not kinds:
+        return m.bytes_per_batch
+    change = kinds.get("change", 0) / batches
+    rest = sum(v for k, v in kinds.items() if k not in ("change", "materialisation")) / batches
+    return change * (1 + 1 / OURS_MATERIALISATION["ratio"]) + rest
+
+
 def best(runs: list[Measured]) -> Measured:
     return Measured(
         min(r.batch_wall for r in runs), min(r.batch_cpu for r in runs),
@@ -708,8 +722,13 @@ def main(argv=None) -> None:
         for size in sizes:
             ours = table.get(("ours", workload, size))
             ss = table.get(("ss-rocksdb", workload, size))
+            if ours is not None:
+                print(f"{workload} S={size:,} ours steady-state bytes/batch (materialisation "
+                      f"amortised): {mib(steady_bytes_per_batch(ours, args.batches))}")
             for label, limit, get in (
-                ("bytes/batch", 1.0, lambda m: m.bytes_per_batch),
+                # SS has no bytes by kind: its steady state is what was measured
+                ("bytes/batch", 1.0, lambda m: max(m.bytes_per_batch, steady_bytes_per_batch(
+                    m, args.batches))),
                 ("batch wall", 1.5, lambda m: m.batch_wall),
                 ("recovery", 1.0, lambda m: m.recovery),
             ):

@@ -392,6 +392,7 @@ def _ours_pipeline(workload: str, landing: Path, names: list[str]):
         checkpoint_interval=1,
         max_retained_checkpoints=3,
         max_parallelism=128,
+        keyed_parallelism=KEYED_PARALLELISM,
         materialisation=MaterialisationPolicy(**OURS_MATERIALISATION),
     )
 
@@ -510,7 +511,7 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
     local = work / f"local-{phase}"
     t0 = time.perf_counter()
     runner = StatefulRunner(spark, storage, pipeline, lease_owner="state_growth",
-                            keyed_parallelism=KEYED_PARALLELISM, keyed_local_dir=str(local))
+                            keyed_local_dir=str(local))
     if phase == "run":
         runner.run(names[:1])
         phases.take()

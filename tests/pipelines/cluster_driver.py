@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from checkpoint_storage import FileSystemCheckpointStorage, collect_garbage
     from pipelines import StatefulRunner
-    from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline, generate_day
+    from pipelines.examples.click_events import (
+        FIRST_PARTITION,
+        STAGES,
+        click_events_pipeline,
+        generate_day,
+    )
     from resources import build_spark_session
 
     started = time.monotonic()
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         lap("probe")
         storage = FileSystemCheckpointStorage(str(checkpoints), file_state_size_threshold=0)
         assert PARTITION == FIRST_PARTITION  # it starts from empty state
-        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=10)
+        # DataFrame stages: this checks their state files' task attempts on a cluster
+        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=10, stages=STAGES)
         runner = StatefulRunner(
             spark, storage, pipeline, task_after_write=cluster_driver.fail_first_attempt
         )
@@ -228,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         result["files_after_gc"] = sorted(p.name for p in chk_dir.iterdir())
 
         # Restore in a fresh runner (as a new run would), after the collection.
-        fresh = StatefulRunner(spark, storage, click_events_pipeline(landing, reports))
+        fresh = StatefulRunner(spark, storage,
+                               click_events_pipeline(landing, reports, stages=STAGES))
         restored_metadata = fresh.store.latest().metadata
         result["restored_checkpoint_id"] = restored_metadata.checkpoint_id
         restored = fresh.restore_states(restored_metadata)

@@ -209,7 +209,12 @@ class KillingStorage(FileSystemCheckpointStorage):
 
 def run_spark(args) -> None:
     from pipelines import StatefulRunner
-    from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline, generate_day
+    from pipelines.examples.click_events import (
+        FIRST_PARTITION,
+        STAGES,
+        click_events_pipeline,
+        generate_day,
+    )
     from resources import build_spark_session
 
     work = Path(args.work_dir)
@@ -259,7 +264,8 @@ def run_spark(args) -> None:
             storage = KillingStorage(str(work / "checkpoints"), file_state_size_threshold=0)
             hook = kill_after_write
         assert SPARK_PARTITION == FIRST_PARTITION  # it starts from empty state
-        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=1)
+        # DataFrame stages: the crash points are their state files' writes
+        pipeline = click_events_pipeline(landing, reports, checkpoint_interval=1, stages=STAGES)
         runner = StatefulRunner(spark, storage, pipeline, task_after_write=hook)
         (outcome,) = runner.run([SPARK_PARTITION])
         result = {

@@ -1,5 +1,6 @@
-"""The stateful runner with its checkpoints on S3 (moto's server on 127.0.0.1): the
-executors write and read state through the worker view at ``s3://bucket/...``.
+"""The stateful runner with DataFrame stages and its checkpoints on S3 (moto's server on
+127.0.0.1): the executors write and read state through the worker view at ``s3://bucket/...``.
+(Keyed stages on S3: test_state_reader.py's savepoint on S3.)
 
 Landing and report directories stay local: Spark itself cannot read s3:// here.
 """
@@ -45,7 +46,8 @@ def make_runner(
         storage_options=s3_server.storage_options,
     )
     pipeline = click_events_pipeline(
-        landing, str(local / "report"), checkpoint_interval=INTERVAL, max_retained_checkpoints=10
+        landing, str(local / "report"), checkpoint_interval=INTERVAL, max_retained_checkpoints=10,
+        stages=STAGES,
     )
     return StatefulRunner(spark, storage, pipeline, **kwargs)
 

@@ -247,13 +247,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
     from pipelines import FileSource, Stage, StatefulPipeline, StatefulRunner
 
     spark = _spark("before")
-    names = [f"b{b:05d}" for b in range(batches + 2)]
-    landing = work / "landing"
-    for name, batch in zip(names, sorted(data.glob("batch-*.parquet")), strict=True):
-        (landing / name).mkdir(parents=True, exist_ok=True)
-        target = landing / name / batch.name
-        if not target.exists():
-            os.link(batch, target)
+    landing, names = _land(data, work, batches)
     if workload == "aggregate":
         schema = T.StructType([
             T.StructField("user_id", T.StringType()), T.StructField("events", T.LongType()),
@@ -398,7 +392,7 @@ def _ours_pipeline(workload: str, landing: Path, names: list[str]):
 
 
 def _land(data: Path, work: Path, batches: int) -> tuple[Path, list[str]]:
-    """One static partition per batch file (hard links), as for ``before``."""
+    """One static partition per batch file (hard links), for ``before`` and ours."""
     names = [f"b{b:05d}" for b in range(batches + 2)]
     landing = work / "landing"
     for name, batch in zip(names, sorted(data.glob("batch-*.parquet")), strict=True):

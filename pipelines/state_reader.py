@@ -206,7 +206,7 @@ def _unexpired(
             milliseconds=int(snapshot_time))
     if now is None:
         return stored
-    return stored.filter(pc.invert(ttl.expired(stored, ttl.cutoff(now))))
+    return ttl.live(stored, ttl.cutoff(now))
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)

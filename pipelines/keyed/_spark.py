@@ -601,8 +601,7 @@ def _unexpired(batches: Iterator[pa.RecordBatch], layout: KeyedStateLayout,
     """``batches`` without the rows expired at ``cutoff`` (None: all), counting the rows."""
     for batch in batches:
         if cutoff is not None:
-            batch = batch.filter(pc.invert(layout.ttl.expired(
-                pa.Table.from_batches([batch]), cutoff).combine_chunks()))
+            batch = layout.ttl.live(batch, cutoff)
         counted[0] += batch.num_rows
         yield batch
 
@@ -695,7 +694,7 @@ def _replay_ranges(task: KeyedStageTask, include_expired: bool,
             key_groups = task.key_groups(operator_index)
             state = replay_chains(task.sources(key_groups), layout, key_groups)
             if cutoff is not None:
-                state = state.filter(pc.invert(layout.ttl.expired(state, cutoff)))
+                state = layout.ttl.live(state, cutoff)
             state = state.select(target.names).cast(target)
             yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)
 

@@ -88,6 +88,11 @@ class StateTtl:
             raise ValueError(f"StateTtl: now must be a timezone-aware datetime, got {now!r}")
         return now - self.ttl
 
+    def live(self, state: pa.Table | pa.RecordBatch, cutoff: dt.datetime
+             ) -> pa.Table | pa.RecordBatch:
+        """The rows of ``state`` that have not expired at ``cutoff``."""
+        return state.filter(pc.invert(self.expired(state, cutoff)))
+
     def expired(self, state: pa.Table, cutoff: dt.datetime) -> pa.ChunkedArray:
         """Which rows of ``state`` have expired at ``cutoff`` (a boolean column)."""
         column = state.column(self.column)

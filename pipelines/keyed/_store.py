@@ -249,7 +249,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         found = self._segment.take(pa.array(rows)).select(schema.names)
         result = concat_as(schema, [found, from_delta])
         if cutoff is not None and self.layout.ttl is not None:
-            result = result.filter(pc.invert(self.layout.ttl.expired(result, cutoff)))
+            result = self.layout.ttl.live(result, cutoff)
         return result
 
     def _materialised(self) -> pa.Table:
@@ -349,7 +349,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         expired = table.filter(self.layout.ttl.expired(table, cutoff))
         keys = expired.select(list(self.layout.key))
         if keys.num_rows:
-            self._write_segment(table.filter(pc.invert(self.layout.ttl.expired(table, cutoff))),
+            self._write_segment(self.layout.ttl.live(table, cutoff),
                                 version)
         return keys
 

@@ -23,7 +23,11 @@ instead, for the growth measurement).
 
 Per system and S it prints: bytes written per batch (all files that appear under the checkpoint
 directory after the initial state's checkpoint, snapshots and maintenance included, amortised
-over the timed batches; ours also by kind), batch wall and CPU
+over the timed batches; ours also by kind), bytes per batch in steady state (the target's
+measure: ours with its materialisations amortised by the policy's ratio; SS from the batch
+after its first snapshot, which uploads the whole store, to the end, which holds its next,
+incremental snapshot: RocksDB with changelog checkpointing snapshots every 10 versions, so
+the default 22 batches), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
 from the checkpoint and processing one more batch. For ours it also prints the median time
 per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
@@ -31,7 +35,7 @@ and, when ``pipelines/keyed/_spark.py`` is instrumented with
 ``benchmarks/profile_keyed_executor.patch``, the executor steps per range. With more than one
 S and ``--changed``, it checks ours' growth from the smallest to the largest S (<= 1.3x).
 
-    python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 8]
+    python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 22]
         [--repeats 2] [--systems ss-rocksdb,ss-hdfs,before] [--quick]
 
 ``--quick``: 100,000 keys, 3 batches, one repetition, a smoke run. The last line is
@@ -64,6 +68,9 @@ from _common import tree_cpu_seconds  # noqa: E402
 SYSTEMS = ("ss-rocksdb", "ss-hdfs", "before", "ours")
 WORKLOADS = ("aggregate", "dedupe")
 SHUFFLE_PARTITIONS = 4
+# spark.sql.streaming.stateStore.minDeltasForSnapshot, Spark's default: the RocksDB store's
+# snapshot interval in versions (batches), so steady state needs runs longer than twice it.
+SS_MIN_DELTAS_FOR_SNAPSHOT = 10
 KEYED_PARALLELISM = 2  # key group ranges of our keyed stage: one per core of local[2]
 # The pipeline's default MaterialisationPolicy: a snapshot of a range when its change files
 # outgrow its base (the last snapshot, or the chain's first change file; at least 1 MiB).
@@ -212,7 +219,7 @@ def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, 
         query.processAllAvailable()  # the initial state, not timed
         written = WrittenBytes(checkpoint)
         written.start()
-        walls, cpus = [], []
+        walls, cpus, after = [], [], []
         for batch in files[1 : batches + 1]:
             cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
             _feed(batch, feed)
@@ -220,12 +227,13 @@ def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, 
             walls.append(time.perf_counter() - t0)
             cpus.append(tree_cpu_seconds() - cpu0)
             written.look()
+            after.append(_ss_written(written))
         time.sleep(12)  # two maintenance intervals: snapshot uploads count too
         written.look()
+        after[-1] = _ss_written(written)
         query.stop()
-        kinds = sorted({Path(p).suffix or Path(p).name for p in written.seen})
         return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
-                "file_kinds": kinds}  # fmt: skip
+                "steady_bytes_per_batch": _ss_steady_bytes(after)}
     # recovery: restart from the checkpoint and process one more batch
     t0 = time.perf_counter()
     query = _ss_query(spark, workload, feed, checkpoint)
@@ -234,6 +242,41 @@ def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, 
     recovery = time.perf_counter() - t0
     query.stop()
     return {"recovery": recovery}
+
+
+def _is_ss_snapshot(path: str) -> bool:
+    """A file of a RocksDB state store snapshot: ``<version>.zip`` (with its ``.crc``) or an
+    SST file under ``SSTs/`` (snapshots share SSTs; each uploads only the new ones)."""
+    return ".zip" in Path(path).name or f"{os.sep}SSTs{os.sep}" in path
+
+
+def _ss_written(written: WrittenBytes) -> dict:
+    """So far: all bytes, the snapshots' bytes, and per state store partition how many
+    snapshots were uploaded."""
+    snapshots: dict[str, int] = {}
+    for path in written.seen:
+        if path.endswith(".zip"):
+            partition = str(Path(path).parent)
+            snapshots[partition] = snapshots.get(partition, 0) + 1
+    return {"total": written.total, "snapshot": sum(
+        n for p, n in written.increments.items() if _is_ss_snapshot(p)),
+        "snapshots": min(snapshots.values(), default=0)}  # fmt: skip
+
+
+def _ss_steady_bytes(after: list[dict]) -> dict | None:
+    """SS's bytes per batch in steady state, its snapshots amortised: from the batch after
+    its first snapshot of every partition (which uploads the whole store) to the end, the
+    changelogs and metadata per batch (``changelog``), and the snapshot bytes over the snapshot
+    interval (``snapshot``, per ``SS_MIN_DELTAS_FOR_SNAPSHOT`` batches). None: no second
+    snapshot of every partition landed (pass more ``--batches``)."""
+    first = next((i for i, a in enumerate(after) if a["snapshots"] >= 1), None)
+    if first is None or first == len(after) - 1 or after[-1]["snapshots"] < 2:
+        return None
+    start, end = after[first], after[-1]
+    snapshot = end["snapshot"] - start["snapshot"]
+    rest = end["total"] - start["total"] - snapshot
+    return {"changelog": rest / (len(after) - 1 - first),
+            "snapshot": snapshot / SS_MIN_DELTAS_FOR_SNAPSHOT}
 
 
 def worker_before(workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
@@ -525,10 +568,12 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
         return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
                 "bytes_by_kind": _ours_bytes_by_kind(grown), "profile": profile,
                 "executor": executor}  # fmt: skip
-    runner.run([names[batches + 1]])
+    progress: list[str] = []
+    runner.run([names[batches + 1]], on_progress=progress.append)
     recovery = time.perf_counter() - t0
+    rebuilt = [n for line in progress for n in line.split("; ") if "rebuilt" in n]
     return {"recovery": recovery, "recovery_profile": phases.take(),
-            "recovery_executor": _executor_timings(timings)}
+            "recovery_executor": _executor_timings(timings), "recovery_rebuilt": rebuilt}
 
 
 def worker(args) -> None:
@@ -576,25 +621,35 @@ def run_system(system: str, workload: str, data: Path, batches: int) -> Measured
         return Measured(
             statistics.median(results["walls"]), statistics.median(results["cpus"]),
             results["bytes_per_batch"], results["recovery"],
-            {k: results[k] for k in ("bytes_by_kind", "walls", "profile", "executor",
-                                     "recovery_profile", "recovery_executor") if k in results},
+            {k: results[k] for k in ("bytes_by_kind", "steady_bytes_per_batch", "walls",
+                                     "profile", "executor", "recovery_profile",
+                                     "recovery_executor", "recovery_rebuilt") if k in results},
         )  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def steady_bytes_per_batch(m: Measured, batches: int) -> float:
-    """Ours in steady state: the change files, plus the materialisations the policy writes
-    for them (a snapshot once the changes outgrow ``ratio`` times the base, so
-    ``1/ratio`` of the change bytes per batch, whatever the state's size), plus the rest
-    (``_metadata``); a window of a few batches may hold no materialisation or one, so the
-    target takes the larger of this and the window's measured bytes."""
-    kinds = (m.detail or {}).get("bytes_by_kind")
+def steady_bytes_per_batch(m: Measured, batches: int) -> float | None:
+    """Bytes per batch in steady state, snapshots amortised (None: not measurable).
+
+    SS: what it wrote from the batch after its first snapshot of every partition to the end
+    (changelogs and its next, incremental snapshot; ``_ss_steady_bytes``).
+
+    Ours: the change files, plus the materialisations the policy writes for them (a
+    snapshot once the changes outgrow ``ratio`` times the base, so ``1/ratio`` of the change
+    bytes per batch, whatever the state's size), plus the rest (``_metadata``); a window of
+    a few batches may hold no materialisation or one, so this is at least the window's
+    measured bytes."""
+    detail = m.detail or {}
+    if "steady_bytes_per_batch" in detail:
+        steady = detail["steady_bytes_per_batch"]
+        return None if steady is None else steady["changelog"] + steady["snapshot"]
+    kinds = detail.get("bytes_by_kind")
     if not kinds:
         return m.bytes_per_batch
     change = kinds.get("change", 0) / batches
     rest = sum(v for k, v in kinds.items() if k not in ("change", "materialisation")) / batches
-    return change * (1 + 1 / OURS_MATERIALISATION["ratio"]) + rest
+    return max(m.bytes_per_batch, change * (1 + 1 / OURS_MATERIALISATION["ratio"]) + rest)
 
 
 def best(runs: list[Measured]) -> Measured:
@@ -617,7 +672,8 @@ def _detail(detail: dict, batches: int) -> str:
         lines.append(_profile_lines(detail["profile"], detail.get("executor"), detail["walls"]))
     if "recovery_profile" in detail:
         lines.append("recovery: " + _phase_text(detail["recovery_profile"])
-                     + _executor_text(detail.get("recovery_executor") or []))
+                     + _executor_text(detail.get("recovery_executor") or [])
+                     + "".join(f"; {note}" for note in detail.get("recovery_rebuilt", [])))
     return "\n      ".join(lines)
 
 
@@ -664,7 +720,8 @@ def main(argv=None) -> None:
         w.add_argument(flag, required=True)
     w.add_argument("--batches", type=int, required=True)
     parser.add_argument("--keys", default="1000000,4000000,8000000")
-    parser.add_argument("--batches", type=int, default=8)
+    # 22: SS snapshots at versions 10 and 20, so its steady-state window holds one
+    parser.add_argument("--batches", type=int, default=22)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--changed", type=int, default=None, help="changed keys per batch")
     parser.add_argument("--systems", default="ss-rocksdb,ss-hdfs,before,ours")
@@ -717,17 +774,24 @@ def main(argv=None) -> None:
         for size in sizes:
             ours = table.get(("ours", workload, size))
             ss = table.get(("ss-rocksdb", workload, size))
-            if ours is not None:
-                print(f"{workload} S={size:,} ours steady-state bytes/batch (materialisation "
-                      f"amortised): {mib(steady_bytes_per_batch(ours, args.batches))}")
+            for name, m, how in ((("ours", ours, "materialisation amortised"),
+                                  ("ss-rocksdb", ss, "after its first snapshot, the next "
+                                   "snapshot included"))):
+                if m is not None:
+                    steady = steady_bytes_per_batch(m, args.batches)
+                    shown = "not measured (pass more --batches)" if steady is None else mib(steady)
+                    parts = (m.detail or {}).get("steady_bytes_per_batch")
+                    if parts:
+                        shown += (f" (changelogs {mib(parts['changelog'])} + snapshots "
+                                  f"{mib(parts['snapshot'])})")
+                    print(f"{workload} S={size:,} {name} steady-state bytes/batch ({how}): "
+                          f"{shown}")
             for label, limit, get in (
-                # SS has no bytes by kind: its steady state is what was measured
-                ("bytes/batch", 1.0, lambda m: max(m.bytes_per_batch, steady_bytes_per_batch(
-                    m, args.batches))),
+                ("bytes/batch", 1.0, lambda m: steady_bytes_per_batch(m, args.batches)),
                 ("batch wall", 1.5, lambda m: m.batch_wall),
                 ("recovery", 1.0, lambda m: m.recovery),
             ):
-                if ours is None or ss is None:
+                if ours is None or ss is None or get(ss) is None:
                     checks.append(False)
                     print(f"{workload} S={size:,} {label} <= {limit}x SS RocksDB: MISSED "
                           "(not measured)")  # fmt: skip

@@ -26,6 +26,7 @@ from checkpoint_storage._filesystems import (
     format_age,
     format_size,
     options_with_environment,
+    refuse_credentials,
     url_to_fs,
 )
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
@@ -208,6 +209,7 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint_metadata",
     "options_with_environment",
+    "refuse_credentials",
     "read_job_lease",
     "resolve_checkpoint_pointer",
     "store_checkpoint_metadata",

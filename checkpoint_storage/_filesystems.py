@@ -54,6 +54,27 @@ def _check_url_text(url: object, what: str) -> str:
     return url
 
 
+# fsspec option names that hold credentials in s3fs, gcsfs, adlfs and friends.
+_SECRET_OPTIONS = {
+    "key", "secret", "token", "password", "session_token", "secret_access_key",
+    "aws_secret_access_key", "aws_session_token", "account_key", "sas_token", "client_secret",
+    "connection_string", "credentials",
+}  # fmt: skip
+
+
+def refuse_credentials(options: dict) -> dict:
+    """``options`` unchanged, unless a key looks like a credential: those would travel to every
+    executor inside the objects shipped there, so they must come from the environment."""
+    secrets = sorted(k for k in options if str(k).lower() in _SECRET_OPTIONS)
+    if secrets:
+        raise StorageConfigurationError(
+            f"storage_options {secrets} look like credentials, which would travel to every "
+            "executor: put them in environment variables and name those in "
+            "storage_options_from_env (e.g. {'secret': 'AWS_SECRET_ACCESS_KEY'})"
+        )
+    return options
+
+
 def options_with_environment(static: dict, from_env: dict, used_for: str) -> dict:
     """fsspec options: ``static`` plus each option of ``from_env`` (option -> environment
     variable) read from this process's environment now, so that secrets never travel in the

@@ -5,6 +5,7 @@ call ``create_checkpoint_storage(job_id)`` there. They hold configuration, never
 filesystems.
 """
 
+import copy
 import os
 import socket
 from abc import ABC, abstractmethod
@@ -170,6 +171,17 @@ class FileSystemCheckpointStorage(CheckpointStorage):
 
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return FsCheckpointStorageAccess(self, job_id)
+
+    def with_file_state_size_threshold(self, threshold: int) -> "FileSystemCheckpointStorage":
+        """This storage with a lower inline threshold (0: every state to a file), for a
+        writer whose inline states would add up: e.g. a chain of change files, each
+        repeated in every later ``_metadata`` until a snapshot supersedes it."""
+        if not isinstance(threshold, int) or not 0 <= threshold <= self.file_state_size_threshold:
+            raise ValueError(f"threshold must be between 0 and this storage's "
+                             f"{self.file_state_size_threshold}, got {threshold!r}")
+        lower = copy.copy(self)
+        lower.file_state_size_threshold = threshold
+        return lower
 
     def file_merging_snapshot_manager(
         self, job_id: JobID | str, worker_id: str | None = None

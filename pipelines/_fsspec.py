@@ -6,8 +6,7 @@ environment when it opens the filesystem."""
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from checkpoint_storage import options_with_environment, url_to_fs
-from resources import refuse_credentials
+from checkpoint_storage import options_with_environment, refuse_credentials, url_to_fs
 
 __all__ = ["FileSystemLocation", "partition_directory"]
 

@@ -150,8 +150,12 @@ class FileSource(Source):
 
     def read(self, spark: SparkSession, partition: str, batch: str) -> DataFrame:
         url = f"{self.directory(partition)}/{batch}"
-        files = spark.createDataFrame([(url,)], "url string").coalesce(1)
+        files = spark.createDataFrame([(url,)], _URL_SCHEMA).coalesce(1)
         return files.mapInArrow(partial(_read_files, self), spark_schema(self.schema))
+
+
+# A StructType, not the DDL "url string": parsing DDL is a JVM call (0.3 s on a fresh JVM).
+_URL_SCHEMA = T.StructType([T.StructField("url", T.StringType(), False)])
 
 
 def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -8,8 +8,8 @@ checkpoints and how many checkpoints it keeps. The runner executes it; the Dagst
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import dagster as dg
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
@@ -22,6 +22,9 @@ from pipelines.keyed import (
     MaterialisationPolicy,
 )
 from pipelines.keyed._stage import check_stage_name
+
+if TYPE_CHECKING:  # executors unpickle stages through this package: they need no dagster
+    import dagster as dg
 
 __all__ = ["SOURCE", "PartitionOrder", "Stage", "StatefulPipeline"]
 
@@ -61,7 +64,9 @@ class PartitionOrder:
     """The order of a pipeline's partition keys: which key comes before which. Time windows
     (hourly, daily, weekly, ...) in time order; static partitions in the declared order."""
 
-    def __init__(self, partitions: dg.PartitionsDefinition) -> None:
+    def __init__(self, partitions: "dg.PartitionsDefinition") -> None:
+        import dagster as dg
+
         if isinstance(partitions, dg.TimeWindowPartitionsDefinition):
             self._static: list[str] | None = None
         elif isinstance(partitions, dg.StaticPartitionsDefinition):
@@ -148,12 +153,12 @@ class StatefulPipeline:
     name: str
     stages: Sequence[Stage | KeyedStage]
     source: Source
-    partitions: dg.PartitionsDefinition
+    partitions: "dg.PartitionsDefinition"
     sinks: Sequence[Sink] = ()
     checkpoint_interval: int = 2
     max_retained_checkpoints: int = 3
     description: str | None = None
-    deps: Sequence[dg.AssetsDefinition] = ()
+    deps: "Sequence[dg.AssetsDefinition]" = ()
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     keyed_parallelism: int | None = None
     materialisation: MaterialisationPolicy = MaterialisationPolicy()

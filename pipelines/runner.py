@@ -476,10 +476,15 @@ class StatefulRunner:
         """Apply one batch to every stage; returns the source rows read and notes for the
         progress line (keyed stages' local stores that had to be rebuilt, and their cost)."""
         data = self.pipeline.source.read(self.spark, partition, batch)
-        # Materialise once: every stage reading the source sees the same rows.
-        outputs = {SOURCE: data.localCheckpoint(eager=True)}
-        count = outputs[SOURCE].count()
-        rows[SOURCE] += count
+        readers = [n for n in range(len(self.stages)) if self.pipeline.input_of(n) == SOURCE]
+        if len(readers) == 1 and isinstance(self.stages[readers[0]], KeyedStage):
+            # Its only reader is a keyed stage, which reads the batch in one pass (persisted)
+            # and counts it: pinning it first would cost two Spark jobs per batch.
+            outputs, count = {SOURCE: data}, None
+        else:
+            # Materialise once: every stage reading the source sees the same rows.
+            outputs = {SOURCE: data.localCheckpoint(eager=True)}
+            count = outputs[SOURCE].count()
         notes: list[str] = []
         keyed_batches = []
         for number, stage in enumerate(self.stages):
@@ -492,6 +497,8 @@ class StatefulRunner:
                 notes += _rebuild_notes(stage.name, batch_result.ranges)
                 keyed_batches.append(batch_result)
                 rows[stage.name] += batch_result.output_rows
+                if count is None:
+                    count = batch_result.input_rows
                 # Read from the batch's persisted pass by each consumer, released below.
                 outputs[stage.name] = batch_result.output
                 continue
@@ -511,6 +518,7 @@ class StatefulRunner:
             output.unpersist()
         for batch_result in keyed_batches:
             batch_result.release()
+        rows[SOURCE] += count
         return count, notes
 
     # --- checkpoints and savepoints ----------------------------------------------------

@@ -1,13 +1,10 @@
 """Dagster resources: the Spark session and the checkpoint storage. Resources stay on the
-driver; only the plain objects they hand out travel to executors."""
+driver; only the plain objects they hand out travel to executors.
 
-from resources.checkpoint_storage import CheckpointStorageResource, refuse_credentials
-from resources.spark import (
-    DEFAULT_SPARK_CONF,
-    SparkResource,
-    build_spark_session,
-    on_session_created,
-)
+Exports load on first use: ``pipelines`` imports ``on_session_created`` (no Dagster) and
+executors import ``pipelines``, so this package must not import Dagster up front."""
+
+import importlib
 
 __all__ = [
     "DEFAULT_SPARK_CONF",
@@ -17,3 +14,24 @@ __all__ = [
     "on_session_created",
     "refuse_credentials",
 ]
+
+_MODULES = {
+    "DEFAULT_SPARK_CONF": "resources.spark",
+    "CheckpointStorageResource": "resources.checkpoint_storage",
+    "SparkResource": "resources.spark",
+    "build_spark_session": "resources.spark",
+    "on_session_created": "resources._session",
+    "refuse_credentials": "checkpoint_storage",
+}
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module 'resources' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

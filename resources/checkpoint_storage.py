@@ -8,30 +8,10 @@ from checkpoint_storage import (
     DEFAULT_FILE_STATE_THRESHOLD,
     DEFAULT_WRITE_BUFFER_SIZE,
     FileSystemCheckpointStorage,
+    refuse_credentials,
 )
 
 __all__ = ["CheckpointStorageResource", "refuse_credentials"]
-
-# fsspec option names that hold credentials in s3fs, gcsfs, adlfs and friends.
-_SECRET_OPTIONS = {
-    "key", "secret", "token", "password", "session_token", "secret_access_key",
-    "aws_secret_access_key", "aws_session_token", "account_key", "sas_token", "client_secret",
-    "connection_string", "credentials",
-}  # fmt: skip
-
-
-def refuse_credentials(options: dict) -> dict:
-    """``options`` unchanged, unless a key looks like a credential: those would travel to every
-    executor inside the objects shipped there, so they must come from the environment."""
-    secrets = sorted(k for k in options if str(k).lower() in _SECRET_OPTIONS)
-    if secrets:
-        raise ValueError(
-            f"storage_options {secrets} look like credentials, which would travel to every "
-            "executor: put them in environment variables and name those in "
-            "storage_options_from_env (e.g. {'secret': 'AWS_SECRET_ACCESS_KEY'})"
-        )
-    return options
-
 
 class CheckpointStorageResource(ConfigurableResource):
     """Where and how the pipelines checkpoint (Flink's ``state.checkpoints.dir`` and friends).

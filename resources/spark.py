@@ -2,12 +2,13 @@
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
+
+from resources._session import SESSION_SETUPS, on_session_created
 
 __all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session", "on_session_created"]
 
@@ -42,17 +43,6 @@ def build_spark_session(
     return builder.getOrCreate()
 
 
-_SESSION_SETUPS: list[Callable[[SparkSession], None]] = []
-
-
-def on_session_created(setup: Callable[[SparkSession], None]) -> None:
-    """Have every ``SparkResource`` run ``setup`` on its session when it first hands it out
-    (once per setup). Imports point from pipelines to resources, so this is how pipelines
-    adds to the session (its ``checkpoint`` data source) without resources importing it."""
-    if setup not in _SESSION_SETUPS:
-        _SESSION_SETUPS.append(setup)
-
-
 class SparkResource(ConfigurableResource):
     """A SparkSession, created on first use and stopped at teardown (only if this resource
     started it: a session that already existed, e.g. a test's, is left running).
@@ -75,7 +65,7 @@ class SparkResource(ConfigurableResource):
         if self._session is None:
             existed = SparkSession.getActiveSession() is not None
             session = build_spark_session(self.master, self.app_name, self.conf)
-            for setup in _SESSION_SETUPS:
+            for setup in SESSION_SETUPS:
                 setup(session)
             self._session = session
             self._started_here = not existed

@@ -9,14 +9,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 _PROBE = """
 import json, sys
-import checkpoint_storage
+import {module}
 print(json.dumps(sorted(sys.modules)))
 """
 
 
-def _modules_after_import() -> list[str]:
+def _modules_after_import(module: str = "checkpoint_storage") -> list[str]:
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE],
+        [sys.executable, "-c", _PROBE.format(module=module)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -32,6 +32,15 @@ def test_checkpoint_storage_imports_neither_dagster_nor_pyspark():
 
     assert "checkpoint_storage" in modules
     assert [] == [m for m in modules if m.split(".")[0].startswith(("dagster", "pyspark"))]
+
+
+def test_executors_importing_pipelines_load_no_dagster():
+    """What a Spark Python worker imports to run a keyed stage (the ``pipelines`` package)
+    loads no dagster module: workers start without its second of imports."""
+    modules = _modules_after_import("pipelines.keyed")
+
+    assert "pipelines.keyed" in modules
+    assert [] == [m for m in modules if m.split(".")[0].startswith("dagster")]
 
 
 LAYERS = ("pipelines", "resources", "sensors")

@@ -225,13 +225,13 @@ class KeyedStageDriver:
         ``checkpoint_id``'s shared state); returns the new state and the batch's output and
         ranges (``release()`` it once its output is consumed)."""
         stage = state.stage
-        clock = state.clock
+        clock, read_rows = state.clock, None
         if stage.event_time is not None:
             if stage.event_time not in input.columns:
                 raise ValueError(f"keyed stage {stage.name}: event_time column "
                                  f"{stage.event_time!r} is not in its input {input.columns}")
             micros = F.unix_micros(F.col(stage.event_time))
-            newest = input.agg(F.max(micros)).first()[0]
+            newest, read_rows = input.agg(F.max(micros), F.count(F.lit(1))).first()
             if newest is not None:
                 seen = _EPOCH + dt.timedelta(microseconds=newest)
                 clock = seen if clock is None or seen > clock else clock
@@ -240,7 +240,7 @@ class KeyedStageDriver:
                 input = input.filter(micros >= (late - _EPOCH) // dt.timedelta(microseconds=1))
         state = replace(state, clock=clock)
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
-        result = apply_keyed_batch(input, task)
+        result = replace(apply_keyed_batch(input, task), read_rows=read_rows)
         chains = tuple(extend_chains(state.chains, result.ranges))
         return replace(state, chains=chains), result
 

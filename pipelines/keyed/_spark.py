@@ -37,8 +37,10 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from checkpoint_storage import (
+    ByteStreamStateHandle,
     CheckpointStorage,
     CheckpointStorageLocationReference,
+    FileSystemCheckpointStorage,
     StreamStateHandle,
 )
 from pipelines._handles import StateHandleRef
@@ -306,6 +308,18 @@ def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Pa
     return store
 
 
+def _change_file_storage(storage: CheckpointStorage,
+                         chain: KeyedStateChain) -> CheckpointStorage:
+    """The storage a range's next change file is written through. An inline change file is
+    repeated in every ``_metadata`` until its chain is materialised, so the inline change
+    files of a chain share one inline threshold: past it, change files go to files."""
+    if not isinstance(storage, FileSystemCheckpointStorage):
+        return storage
+    inline = sum(h.state_size for h in chain.changes if isinstance(h, ByteStreamStateHandle))
+    return storage.with_file_state_size_threshold(
+        max(0, storage.file_state_size_threshold - inline))
+
+
 def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
                  attempt: int) -> str:
     """``<stage>-kg<start>-<end>-<kind><batch>-a<attempt>-``, the stage name shortened so
@@ -327,21 +341,34 @@ def _handle_row(kind: str, operator_index: int, attempt: int, handle: StreamStat
             "rows": rows, **stats, **ref}
 
 
-def _routes(spark: SparkSession, partitions: int) -> tuple[int, ...]:
+def _spark_int_hash(value: int) -> int:
+    """Spark's ``hash(int)``: Murmur3 x86 32-bit of one int with seed 42, as a signed int
+    (``Murmur3_x86_32.hashInt``)."""
+    mask = 0xFFFFFFFF
+
+    def rotl(x: int, r: int) -> int:
+        return ((x << r) | (x >> (32 - r))) & mask
+
+    k1 = rotl((value & mask) * 0xCC9E2D51 & mask, 15) * 0x1B873593 & mask
+    h1 = (rotl(42 ^ k1, 13) * 5 + 0xE6546B64) & mask
+    h1 ^= 4
+    h1 = (h1 ^ (h1 >> 16)) * 0x85EBCA6B & mask
+    h1 = (h1 ^ (h1 >> 13)) * 0xC2B2AE35 & mask
+    h1 ^= h1 >> 16
+    return h1 - (1 << 32) if h1 & 0x80000000 else h1
+
+
+def _routes(partitions: int) -> tuple[int, ...]:
     """For each partition ``i`` of ``partitions``, an int that Spark's hash partitioning
     (``pmod(murmur3(value, 42), partitions)``, what ``repartition(n, column)`` uses) sends to
-    partition ``i``: routing by it gives each range a Spark task of its own."""
+    partition ``i``: routing by it gives each range a Spark task of its own. Computed here,
+    not by a Spark job: that job was the first of a restarted run, 2 s of its recovery."""
     if partitions not in _ROUTES:
         found: dict[int, int] = {}
-        candidates = 64 * partitions
+        value = 0
         while len(found) < partitions:
-            rows = spark.range(candidates).select(
-                F.col("id").cast("int").alias("value"),
-                F.pmod(F.hash(F.col("id").cast("int")), F.lit(partitions)).alias("partition"),
-            ).collect()
-            for row in rows:
-                found.setdefault(row["partition"], row["value"])
-            candidates *= 4
+            found.setdefault(_spark_int_hash(value) % partitions, value)
+            value += 1
         _ROUTES[partitions] = tuple(found[i] for i in range(partitions))
     return _ROUTES[partitions]
 
@@ -395,12 +422,13 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
                 state = state.drop_columns(["_written_at"])
             result = stage.run(table, state)
             upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
-            access = task.storage.create_checkpoint_storage(task.job_id)
+            (chain,) = task.sources(key_groups)
+            access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
+                task.job_id)
             factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                                  task.reference)
             change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
                                        _file_prefix(task, key_groups, "b", attempt))
-            (chain,) = task.sources(key_groups)
             store.apply(upserts, result.deletes,
                         version=chain_version(key_groups, [chain.appended(change)]))
             stats["state_rows"] = store.num_rows
@@ -473,16 +501,24 @@ class KeyedRangeResult:
 @dataclass(frozen=True)
 class KeyedBatch:
     """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
-    read from ``cached``), the ranges' results, and the persisted pass both come from; call
+    read from ``cached``), the ranges' results, the persisted pass both come from, and the
+    input rows the batch had (``input_rows``; None: the rows the ranges received). Call
     ``release()`` once the output is consumed."""
+
+    output: DataFrame
+    ranges: list[KeyedRangeResult]
+    cached: DataFrame = field(repr=False)
+    read_rows: int | None = None
 
     @property
     def output_rows(self) -> int:
         return sum(r.output_rows for r in self.ranges)
 
-    output: DataFrame
-    ranges: list[KeyedRangeResult]
-    cached: DataFrame = field(repr=False)
+    @property
+    def input_rows(self) -> int:
+        if self.read_rows is not None:
+            return self.read_rows
+        return sum(r.input_rows for r in self.ranges)
 
     def release(self) -> None:
         self.cached.unpersist()
@@ -522,7 +558,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     routed_type = T.StructType([*input.schema.fields,
                                 T.StructField(OPERATOR_INDEX, T.IntegerType(), False),
                                 T.StructField(_ROUTE, T.IntegerType(), False)])
-    routes = _routes(input.sparkSession, task.parallelism)
+    routes = _routes(task.parallelism)
     routed = input.mapInArrow(partial(_operator_indices, task, routes), routed_type)
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive
     # execution, and each range's route hashes to its own partition.

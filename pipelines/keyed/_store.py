@@ -66,6 +66,11 @@ class KeyedStateStore(ABC):
         """Upsert full rows (one per key) and delete keys (key columns); upserts and deletes
         have distinct keys. Every key must belong to this store's key groups."""
 
+    @abstractmethod
+    def load(self, rows: pa.Table, *, version: str | None = None) -> None:
+        """Replace the whole state with ``rows`` (stored rows, one per key): a rebuild from
+        the checkpoint chain, without the bookkeeping of ``apply``."""
+
     @property
     @abstractmethod
     def version(self) -> str | None:
@@ -190,9 +195,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def _map_segment(self, name: str) -> None:
         source = pa.memory_map(str(self.directory / name))
         self._segment = ipc.open_file(source).read_all()
-        hashes = self._segment.column(_HASH)
-        self._hashes = (hashes.combine_chunks() if hashes.num_chunks != 1
-                        else hashes.chunk(0)).to_numpy()
+        self._hashes = _numpy(self._segment.column(_HASH))
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -265,10 +268,13 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     def sorted_batches(self, max_rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
         table = self._materialised()
-        groups = (table.column(_HASH).to_numpy() % np.uint64(self.layout.max_parallelism)
-                  ).astype(np.int16)
-        table = table.append_column(KEY_GROUP, pa.array(groups)).sort_by(
-            [(KEY_GROUP, "ascending"), (_HASH, "ascending")])
+        hashes = _numpy(table.column(_HASH))
+        groups = (hashes % np.uint64(self.layout.max_parallelism)).astype(np.int16)
+        # by hash, then stably by key group (a radix sort for int16): numpy's sorts are
+        # about 3x faster than Arrow's sort_by here
+        order = np.argsort(hashes)
+        order = order[np.argsort(groups[order], kind="stable")]
+        table = table.append_column(KEY_GROUP, pa.array(groups)).take(pa.array(order))
         table = table.select([*self.layout.stored_schema.names, KEY_GROUP])
         yield from table.to_batches(max_chunksize=max_rows)
 
@@ -329,8 +335,14 @@ class ArrowKeyedStateStore(KeyedStateStore):
             self._version = version
             self._write_manifest()
 
+    def load(self, rows: pa.Table, *, version: str | None = None) -> None:
+        rows = self.layout.conform(rows, f"local store {self.directory}: rows")
+        rows = self._with_hashes(rows, "rows")
+        self._write_segment(rows, version)
+
     def _write_segment(self, table: pa.Table, version: str | None) -> None:
-        table = table.select(self._segment_schema.names).sort_by(_HASH)
+        table = table.select(self._segment_schema.names)
+        table = table.take(pa.array(np.argsort(_numpy(table.column(_HASH)))))
         old = [self._segment_file, *self._delta_files]
         self._segment_file = self._write_arrow("segment", table)
         self._delta_files = []
@@ -361,6 +373,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def destroy(self) -> None:
         self.close()
         remove_store(self.directory)
+
+
+def _numpy(column: pa.ChunkedArray) -> np.ndarray:
+    return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()).to_numpy()
 
 
 def remove_store(directory: str | os.PathLike) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # The executors import ``pipelines`` (its sources, sinks and state I/O run there), which
-# imports ``resources`` (``refuse_credentials``).
+# imports ``resources`` (``on_session_created``, which needs no Dagster).
 SHIPPED_PACKAGES = ("checkpoint_storage", "pipelines", "resources")
 ZIP_NAME = "cluster_project.zip"
 PARTITION = "2026-10-01"

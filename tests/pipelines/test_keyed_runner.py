@@ -129,13 +129,16 @@ def referenced_files(runner: StatefulRunner) -> set[str]:
 
 def test_partitions_equal_a_recomputation_and_the_state_sink_writes_it(spark, tmp_path):
     """Two partitions of a keyed stage: the checkpointed state and the state sink equal a
-    dict recomputation, and the recorded row count is the state's."""
+    dict recomputation, the recorded row count is the state's, and every source row is
+    counted in (the keyed stage reads the source without it being pinned first)."""
     runner = runner_of(spark, tmp_path)
 
     results = runner.run(["p1", "p2"])
 
     assert expected(["p1", "p2"]) == state_of(runner)
     assert len(expected(["p1", "p2"])) == results[-1].checkpoint.state_rows["totals"]
+    assert [sum(len(SOURCE.rows(b)) for b in SOURCE.batches(None, p)) for p in ("p1", "p2")] \
+        == [r.rows["source"] for r in results]
     sink = pd.read_parquet(tmp_path / "sink" / "partition=p2")
     assert expected(["p1", "p2"]) == {r.customer: (r.orders, r.total)
                                       for r in sink.itertuples()}

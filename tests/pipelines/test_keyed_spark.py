@@ -14,7 +14,7 @@ import pyarrow.compute as pc
 import pytest
 from pyspark import cloudpickle
 
-from checkpoint_storage import FileSystemCheckpointStorage, JobID
+from checkpoint_storage import ByteStreamStateHandle, FileSystemCheckpointStorage, JobID
 from pipelines.keyed import (
     KeyedResult,
     KeyedStage,
@@ -144,6 +144,39 @@ def test_batches_equal_a_recomputation_and_reuse_the_local_stores(spark, job):
     counts, batch_outputs = expected(3)
     assert (counts, batch_outputs, first_rows, sorted(files)) == (
         job.state(), outputs, rebuilds, written)
+
+
+def test_every_range_runs_in_a_spark_task_of_its_own(spark, tmp_path):
+    """At parallelism 8 (a key group per range) a batch touching every range runs: rows of two
+    ranges never reach one Spark task (the task would refuse them), and each range reports
+    once."""
+    job = Job(tmp_path, 8)
+    users = [f"user-{i}" for i in range(200)]
+    frame = spark.createDataFrame([(u,) for u in users], "user string")
+    result = apply_keyed_batch(frame, job.task(0))
+    try:
+        output = sorted(r["user"] for r in result.output.collect())
+    finally:
+        result.release()
+    assert (sorted(users), list(range(8))) == (
+        output, sorted(r.operator_index for r in result.ranges))
+
+
+def test_a_chains_inline_change_files_share_one_inline_threshold(spark, job):
+    """Inline change files are repeated in every later ``_metadata`` of their chain, so a
+    chain's inline changes add up to at most the storage's inline threshold; the rest are
+    files. The state is the same either way."""
+    threshold = 4096
+    job.storage = FileSystemCheckpointStorage(job.storage.checkpoint_directory,
+                                              file_state_size_threshold=threshold)
+    for batch in range(len(BATCHES)):
+        job.run(spark, batch)
+    inline = [sum(h.state_size for h in chain.changes if isinstance(h, ByteStreamStateHandle))
+              for chain in job.chains]
+    kinds = {type(h).__name__ for chain in job.chains for h in chain.changes}
+
+    assert (expected(len(BATCHES))[0], True, {"ByteStreamStateHandle", "FileStateHandle"}) == (
+        job.state(), max(inline) <= threshold, kinds)
 
 
 def test_lost_local_stores_are_rebuilt_from_the_chains(spark, job):

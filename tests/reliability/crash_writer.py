@@ -147,7 +147,7 @@ def _project_zip(target: Path) -> Path:
     import zipfile
 
     with zipfile.ZipFile(target, "w") as zf:
-        # ``pipelines`` imports ``resources`` (``refuse_credentials``) on the executors too.
+        # ``pipelines`` imports ``resources`` (``on_session_created``) on the executors too.
         for package in ("checkpoint_storage", "pipelines", "resources"):
             for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
                 zf.write(path, path.relative_to(PROJECT_ROOT).as_posix())

@@ -123,6 +123,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._segment_file: str | None = None
         self._delta_files: list[str] = []
         self._version: str | None = None
+        self._rows = 0  # live rows, kept by every write: counting them costs a delta's lookups
         self._segment = self._segment_schema.empty_table()
         self._hashes = np.zeros(0, np.uint64)
         self._delta = self._delta_schema.empty_table()
@@ -150,7 +151,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     def _write_manifest(self) -> None:
         body = self._identity() | {"segment": self._segment_file, "deltas": self._delta_files,
-                                   "version": self._version}
+                                   "version": self._version, "rows": self._rows}
         temporary = self.directory / f".{_MANIFEST}.{uuid.uuid4().hex}"
         temporary.write_text(json.dumps(body))
         os.replace(temporary, self.directory / _MANIFEST)
@@ -177,6 +178,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
                     deltas.append(ipc.open_file(f).read_all())
             if deltas:
                 self._delta = self._last_per_key(deltas)
+            rows = body.get("rows")
+            self._rows = rows if isinstance(rows, int) else self._count_rows()
         except (OSError, pa.ArrowInvalid) as exc:
             raise LocalStoreError(f"local store {self.directory}: {exc}; rebuild it from the "
                                   "checkpoint chain") from exc
@@ -205,16 +208,36 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     @property
     def num_rows(self) -> int:
-        changed = self._segment_rows_changed()
+        return self._rows
+
+    def _count_rows(self) -> int:
+        """The live rows, counted (a manifest without ``rows``)."""
         live_delta = self._delta.num_rows - pc.sum(self._delta.column(_DELETED)).as_py() \
             if self._delta.num_rows else 0
+        changed = 0
+        if self._delta.num_rows and self._segment.num_rows:
+            changed = len(self._find_in_segment(self._delta.select(list(self.layout.key)),
+                                                self._delta.column(_HASH).to_numpy())[0])
         return self._segment.num_rows - changed + live_delta
 
-    def _segment_rows_changed(self) -> int:
-        if not self._delta.num_rows or not self._segment.num_rows:
-            return 0
-        return len(self._find_in_segment(self._delta.select(list(self.layout.key)),
-                                         self._delta.column(_HASH).to_numpy())[0])
+    def _live(self, table: pa.Table) -> np.ndarray:
+        """Which rows of ``table`` (key columns and ``_hash``, each key once) have a live row
+        in the store: the delta decides for its keys, the segment for the rest."""
+        key = list(self.layout.key)
+        live = np.zeros(table.num_rows, bool)
+        in_delta = np.zeros(table.num_rows, bool)
+        if self._delta.num_rows:
+            probe = table.select(key).append_column("_row", pa.array(np.arange(table.num_rows)))
+            matched = probe.join(self._delta.select([*key, _DELETED]), key, join_type="inner")
+            rows = matched.column("_row").to_numpy()
+            in_delta[rows] = True
+            live[rows] = ~matched.column(_DELETED).to_numpy(zero_copy_only=False)
+        rest = np.flatnonzero(~in_delta)
+        if len(rest) and self._segment.num_rows:
+            asked = table.take(pa.array(rest))
+            _, found = self._find_in_segment(asked.select(key), _numpy(asked.column(_HASH)))
+            live[rest[found]] = True
+        return live
 
     def _find_in_segment(self, keys: pa.Table, hashes: np.ndarray):
         """(segment row indices, query row indices) of the queried keys found in the segment.
@@ -327,6 +350,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
         threshold = max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
+        was_live = self._live(change)
+        upserted = ~change.column(_DELETED).to_numpy(zero_copy_only=False)
+        self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())
         self._merge_delta(change)
         if self._delta.num_rows > threshold:
             self._write_segment(self._materialised(), version)
@@ -347,6 +373,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._segment_file = self._write_arrow("segment", table)
         self._delta_files = []
         self._version = version
+        self._rows = table.num_rows
         self._write_manifest()
         self._map_segment(self._segment_file)
         self._delta = self._delta_schema.empty_table()

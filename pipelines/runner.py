@@ -497,7 +497,7 @@ class StatefulRunner:
                 notes += _rebuild_notes(stage.name, batch_result.ranges)
                 keyed_batches.append(batch_result)
                 rows[stage.name] += batch_result.output_rows
-                if count is None:
+                if count is None and self.pipeline.input_of(number) == SOURCE:
                     count = batch_result.input_rows
                 # Read from the batch's persisted pass by each consumer, released below.
                 outputs[stage.name] = batch_result.output

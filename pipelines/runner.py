@@ -297,6 +297,12 @@ class StatefulRunner:
                 spark, storage, str(self.job_id), pipeline.max_parallelism,
                 pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir,
                 task_after_write)
+        # The index of the keyed stage that is the source's only reader, if one is: it reads
+        # and counts each batch in its one pass, so the batch is not pinned first.
+        readers = [n for n in range(len(self.stages)) if pipeline.input_of(n) == SOURCE]
+        self._keyed_source_reader = (
+            readers[0] if len(readers) == 1 and isinstance(self.stages[readers[0]], KeyedStage)
+            else None)
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None
@@ -476,10 +482,8 @@ class StatefulRunner:
         """Apply one batch to every stage; returns the source rows read and notes for the
         progress line (keyed stages' local stores that had to be rebuilt, and their cost)."""
         data = self.pipeline.source.read(self.spark, partition, batch)
-        readers = [n for n in range(len(self.stages)) if self.pipeline.input_of(n) == SOURCE]
-        if len(readers) == 1 and isinstance(self.stages[readers[0]], KeyedStage):
-            # Its only reader is a keyed stage, which reads the batch in one pass (persisted)
-            # and counts it: pinning it first would cost two Spark jobs per batch.
+        if self._keyed_source_reader is not None:
+            # Pinning it first would cost two Spark jobs per batch.
             outputs, count = {SOURCE: data}, None
         else:
             # Materialise once: every stage reading the source sees the same rows.
@@ -497,7 +501,7 @@ class StatefulRunner:
                 notes += _rebuild_notes(stage.name, batch_result.ranges)
                 keyed_batches.append(batch_result)
                 rows[stage.name] += batch_result.output_rows
-                if count is None and self.pipeline.input_of(number) == SOURCE:
+                if number == self._keyed_source_reader:
                     count = batch_result.input_rows
                 # Read from the batch's persisted pass by each consumer, released below.
                 outputs[stage.name] = batch_result.output

@@ -362,10 +362,12 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
 
 
 def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
-                     key_groups: KeyGroupRange, wanted: KeyGroupRange | None = None):
+                     key_groups: KeyGroupRange, wanted: KeyGroupRange | None = None,
+                     *, read_bytes: ReadBytes | None = None):
     """``(upserts, deletes)`` of a change file (the rows of ``wanted`` key groups only, if
-    given): upserts as stored rows, deletes as key columns."""
-    table = _read(handle, layout, _CHANGE, key_groups, wanted)
+    given): upserts as stored rows, deletes as key columns. ``read_bytes``: how to read the
+    handle (default: its ``open()``, which verifies it)."""
+    table = _read(handle, layout, _CHANGE, key_groups, wanted, read_bytes)
     deleted = table.column(DELETED)
     upserts = layout.conform(table.filter(pc.invert(deleted)), _describe(handle))
     deletes = table.filter(deleted).select(list(layout.key))
@@ -404,10 +406,8 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
             # A chain that started empty: its first change file applied to no state, so its
             # upserts are the base (each key once, its deletes no-ops); typically the bulk of
             # the rows (a first load), kept out of the last-change-per-key pass below.
-            table = _read(chain.changes[0], layout, _CHANGE, chain.key_groups, overlap,
-                          read_bytes)
-            state = layout.conform(table.filter(pc.invert(table.column(DELETED))),
-                                   _describe(chain.changes[0]))
+            state, _ = read_change_file(chain.changes[0], layout, chain.key_groups, overlap,
+                                        read_bytes=read_bytes)
             changes_after = chain.changes[1:]
         else:
             state = layout.stored_schema.empty_table()

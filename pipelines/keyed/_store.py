@@ -160,6 +160,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         try:
             body = json.loads(manifest.read_text())
             identity = {k: body[k] for k in self._identity()}
+            self._rows = int(body["rows"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LocalStoreError(f"local store {self.directory}: unreadable {_MANIFEST} "
                                   f"({exc}); rebuild it from the checkpoint chain") from exc
@@ -178,8 +179,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
                     deltas.append(ipc.open_file(f).read_all())
             if deltas:
                 self._delta = self._last_per_key(deltas)
-            rows = body.get("rows")
-            self._rows = rows if isinstance(rows, int) else self._count_rows()
         except (OSError, pa.ArrowInvalid) as exc:
             raise LocalStoreError(f"local store {self.directory}: {exc}; rebuild it from the "
                                   "checkpoint chain") from exc
@@ -213,34 +212,29 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def num_rows(self) -> int:
         return self._rows
 
-    def _count_rows(self) -> int:
-        """The live rows, counted (a manifest without ``rows``)."""
-        live_delta = self._delta.num_rows - pc.sum(self._delta.column(_DELETED)).as_py() \
-            if self._delta.num_rows else 0
-        changed = 0
-        if self._delta.num_rows and self._segment.num_rows:
-            changed = len(self._find_in_segment(self._delta.select(list(self.layout.key)),
-                                                self._delta.column(_HASH).to_numpy())[0])
-        return self._segment.num_rows - changed + live_delta
-
-    def _live(self, table: pa.Table) -> np.ndarray:
+    def _live(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
         """Which rows of ``table`` (key columns and ``_hash``, each key once) have a live row
-        in the store: the delta decides for its keys, the segment for the rest."""
+        in the store (the delta decides for its keys, the segment for the rest), and the
+        delta's rows of those keys."""
         key = list(self.layout.key)
         live = np.zeros(table.num_rows, bool)
         in_delta = np.zeros(table.num_rows, bool)
+        delta_rows = np.zeros(0, np.int64)
         if self._delta.num_rows:
             probe = table.select(key).append_column("_row", pa.array(np.arange(table.num_rows)))
-            matched = probe.join(self._delta.select([*key, _DELETED]), key, join_type="inner")
+            stored = self._delta.select([*key, _DELETED]).append_column(
+                "_delta_row", pa.array(np.arange(self._delta.num_rows)))
+            matched = probe.join(stored, key, join_type="inner")
             rows = matched.column("_row").to_numpy()
             in_delta[rows] = True
             live[rows] = ~matched.column(_DELETED).to_numpy(zero_copy_only=False)
+            delta_rows = matched.column("_delta_row").to_numpy()
         rest = np.flatnonzero(~in_delta)
         if len(rest) and self._segment.num_rows:
             asked = table.take(pa.array(rest))
             _, found = self._find_in_segment(asked.select(key), _numpy(asked.column(_HASH)))
             live[rest[found]] = True
-        return live
+        return live, delta_rows
 
     def _find_in_segment(self, keys: pa.Table, hashes: np.ndarray):
         """(segment row indices, query row indices) of the queried keys found in the segment.
@@ -329,11 +323,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
         return table.take(pa.array(np.sort(last.column("_row_max").to_numpy()))
                           ).combine_chunks()
 
-    def _merge_delta(self, change: pa.Table) -> None:
-        key = list(self.layout.key)
-        kept = self._delta.join(change.select(key), key, join_type="left anti")
-        self._delta = concat_as(self._delta_schema, [kept, change]).combine_chunks()
-
     def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
         upserts = self.layout.conform(upserts, f"local store {self.directory}: upserts")
         deletes = self.layout.conform_keys(deletes, f"local store {self.directory}: deletes")
@@ -353,10 +342,13 @@ class ArrowKeyedStateStore(KeyedStateStore):
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
         threshold = max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
-        was_live = self._live(change)
+        was_live, replaced = self._live(change)
         upserted = ~change.column(_DELETED).to_numpy(zero_copy_only=False)
         self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())
-        self._merge_delta(change)
+        kept = np.ones(self._delta.num_rows, bool)
+        kept[replaced] = False
+        self._delta = concat_as(self._delta_schema,
+                                [self._delta.filter(pa.array(kept)), change]).combine_chunks()
         if self._delta.num_rows > threshold:
             self._write_segment(self._materialised(), version)
         else:

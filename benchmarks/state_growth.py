@@ -31,8 +31,9 @@ the default 22 batches), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
 from the checkpoint and processing one more batch. For ours it also prints the median time
 per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
-and, when ``pipelines/keyed/_spark.py`` is instrumented with
-``benchmarks/profile_keyed_executor.patch``, the executor steps per range. With more than one
+and, when a local copy of ``pipelines/keyed/_spark.py`` is instrumented to append one JSON
+line per range and batch to ``$PIPELINES_KEYED_TIMINGS`` (step seconds under keys ending in
+``_s``; not in the tree, as timing code does not belong in the task), the executor steps. With more than one
 S and ``--changed``, it checks ours' growth from the smallest to the largest S (<= 1.3x).
 
     python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 22]

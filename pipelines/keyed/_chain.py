@@ -47,10 +47,11 @@ from pipelines._parquet_state import write_parquet_state
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
+    hash_keys,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 from pipelines.keyed._stage import StateTtl, TtlTimeCharacteristic
-from pipelines.keyed._store import ArrowKeyedStateStore, remove_store
+from pipelines.keyed._store import ArrowKeyedStateStore, group_hash_order, remove_store
 
 __all__ = [
     "CHAIN_FORMAT",
@@ -271,9 +272,11 @@ def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout
     upserts = layout.conform(upserts, "change file upserts")
     deletes = layout.conform_keys(deletes, "change file deletes")
     schema = _file_schema(layout, _CHANGE, key_groups)
-    parts = []
+    parts, hashes, key_groups_of_rows = [], [], []
     for rows, deleted in ((upserts, False), (deletes, True)):
-        groups = layout.key_groups_of(rows)
+        hashes.append(hash_keys(rows, layout.key))
+        groups = (hashes[-1] % np.uint64(layout.max_parallelism)).astype(np.int16)
+        key_groups_of_rows.append(groups)
         outside = (groups < key_groups.start) | (groups > key_groups.end)
         if outside.any():
             raise ValueError(f"change file of key groups {key_groups}: {int(outside.sum())} "
@@ -284,9 +287,11 @@ def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout
         columns[KEY_GROUP] = pa.array(groups, pa.int16())
         columns[DELETED] = pa.repeat(deleted, rows.num_rows)
         parts.append(pa.table(columns, schema=schema))
-    # sorted by key group: readers of part of the range skip row groups, and the key group
-    # column compresses to almost nothing
-    table = pa.concat_tables(parts).sort_by(KEY_GROUP)
+    # sorted by key group (readers of part of the range skip row groups, and the key group
+    # column compresses to almost nothing), then by key hash: a materialisation's order, so
+    # a first load is a store's segment as it is read
+    order = group_hash_order(np.concatenate(key_groups_of_rows), np.concatenate(hashes))
+    table = pa.concat_tables(parts).take(pa.array(order))
     return _write(factory, schema, [table], name_prefix)
 
 
@@ -384,6 +389,38 @@ def read_materialisation(handle: StreamStateHandle, layout: KeyedStateLayout,
         _describe(handle))
 
 
+def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyGroupRange,
+                  read_bytes: ReadBytes | None) -> tuple[pa.Table, pa.Table | None]:
+    """The ``wanted`` key groups of one chain as ``(base, changes)``: the base (stored rows,
+    in the file's order) and the last change per key since (change file rows with
+    ``_deleted``; None: no changes)."""
+    key = list(layout.key)
+    changes_after = chain.changes
+    if chain.materialisation is not None:
+        base = read_materialisation(chain.materialisation, layout, chain.key_groups, wanted,
+                                    read_bytes=read_bytes)
+    elif chain.changes:
+        # A chain that started empty: its first change file applied to no state, so its
+        # upserts are the base (each key once, its deletes no-ops); typically the bulk of
+        # the rows (a first load), kept out of the last-change-per-key pass below.
+        base, _ = read_change_file(chain.changes[0], layout, chain.key_groups, wanted,
+                                   read_bytes=read_bytes)
+        changes_after = chain.changes[1:]
+    else:
+        base = layout.stored_schema.empty_table()
+    if not changes_after:
+        return base, None
+    changes = []
+    for sequence, change in enumerate(changes_after):
+        table = _read(change, layout, _CHANGE, chain.key_groups, wanted, read_bytes)
+        changes.append(table.append_column("_sequence", pa.repeat(sequence, table.num_rows)))
+    changes = pa.concat_tables(changes)
+    # the last change per key (files in order; a key is once per file)
+    latest = changes.group_by(key, use_threads=False).aggregate([("_sequence", "max")])
+    latest = latest.rename_columns({"_sequence_max": "_sequence"})
+    return base, changes.join(latest, [*key, "_sequence"], join_type="left semi")
+
+
 def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
                   wanted: KeyGroupRange, *, read_bytes: ReadBytes | None = None) -> pa.Table:
     """The state of the ``wanted`` key groups from the chains that overlap them: each chain's
@@ -398,32 +435,11 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
         overlap = chain.key_groups.intersection(wanted)
         if not len(overlap):
             continue
-        changes_after = chain.changes
-        if chain.materialisation is not None:
-            state = read_materialisation(chain.materialisation, layout, chain.key_groups,
-                                         overlap, read_bytes=read_bytes)
-        elif chain.changes:
-            # A chain that started empty: its first change file applied to no state, so its
-            # upserts are the base (each key once, its deletes no-ops); typically the bulk of
-            # the rows (a first load), kept out of the last-change-per-key pass below.
-            state, _ = read_change_file(chain.changes[0], layout, chain.key_groups, overlap,
-                                        read_bytes=read_bytes)
-            changes_after = chain.changes[1:]
-        else:
-            state = layout.stored_schema.empty_table()
-        if not changes_after:
-            parts.append(state)
+        base, latest = _replay_parts(chain, layout, overlap, read_bytes)
+        if latest is None:
+            parts.append(base)
             continue
-        changes = []
-        for sequence, change in enumerate(changes_after):
-            table = _read(change, layout, _CHANGE, chain.key_groups, overlap, read_bytes)
-            changes.append(table.append_column("_sequence", pa.repeat(sequence, table.num_rows)))
-        changes = pa.concat_tables(changes)
-        # the last change per key (files in order; a key is once per file)
-        latest = changes.group_by(key, use_threads=False).aggregate([("_sequence", "max")])
-        latest = latest.rename_columns({"_sequence_max": "_sequence"})
-        latest = changes.join(latest, [*key, "_sequence"], join_type="left semi")
-        kept = state.join(latest.select(key), key, join_type="left anti")
+        kept = base.join(latest.select(key), key, join_type="left anti")
         upserts = latest.filter(pc.invert(latest.column(DELETED)))
         parts.append(concat_as(layout.stored_schema, [kept, upserts]))
     if not parts:
@@ -435,11 +451,25 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
                   chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
     """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
     holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
-    finds no store for its range, a stale one, or one it cannot read."""
-    state = replay_chains(chains, layout, key_groups)
+    finds no store for its range, a stale one, or one it cannot read. The chains' bases load
+    as the segment in the order they were written (a materialisation's), and their changes
+    since apply on top, so the rebuild neither joins nor sorts the whole state."""
+    bases, changes = [], []
+    for chain in sorted(chains, key=lambda c: c.key_groups.start):
+        overlap = chain.key_groups.intersection(key_groups)
+        if len(overlap):
+            base, latest = _replay_parts(chain, layout, overlap, None)
+            bases.append(base)
+            changes += [] if latest is None else [latest]
     remove_store(directory)
     store = ArrowKeyedStateStore(directory, layout, key_groups)
-    store.load(state, version=version)
+    store.load(concat_as(layout.stored_schema, bases) if bases
+               else layout.stored_schema.empty_table(), version=None if changes else version)
+    if changes:
+        latest = pa.concat_tables(changes)
+        deleted = latest.column(DELETED)
+        store.apply(latest.filter(pc.invert(deleted)), latest.filter(deleted).select(
+            list(layout.key)), version=version)
     return store
 
 

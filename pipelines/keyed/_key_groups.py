@@ -71,6 +71,8 @@ def _hash_binary(array: pa.Array) -> np.ndarray:
         else np.zeros(0, np.uint8)
     )
     starts, lengths = offsets[:-1], np.diff(offsets)
+    if len(array) and (lengths == lengths[0]).all():
+        return _hash_fixed_width(data[offsets[0]:offsets[-1]], len(array), int(lengths[0]))
     # Horner's rule one byte position at a time, over the rows still that long: rows sorted
     # by length (longest first) so that the rows at position j are a prefix.
     order = np.argsort(-lengths, kind="stable")
@@ -87,6 +89,20 @@ def _hash_binary(array: pa.Array) -> np.ndarray:
     out = np.empty(len(array), dtype=np.uint64)
     out[order] = hashed
     return out
+
+
+def _hash_fixed_width(data: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """``_hash_binary`` of ``rows`` values of ``width`` bytes each, back to back in ``data``
+    (ids of one width are common): Horner's rule down the columns of a rows x width view,
+    with no sort and no gather."""
+    values = data.reshape(rows, width)
+    poly = np.zeros(rows, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(width):
+            poly *= _P
+            poly += values[:, j]
+            poly += np.uint64(1)
+        return _fmix64(poly ^ (np.uint64(width) * _GOLDEN))
 
 
 def _hash_column(column: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:

@@ -3,13 +3,19 @@ executor's disk. It is a cache of the checkpoint chain: a task that finds none (
 one) rebuilds it from the chain, so losing it never loses state.
 
 ``ArrowKeyedStateStore`` is the store the benchmark chose (benchmarks/keyed_store.py,
-docs/design.md "Keyed state"): a *segment*, an Arrow IPC file sorted by key hash and
-memory-mapped (the operating system pages it, so state may exceed memory), plus a *delta*:
-the latest upsert or delete per key since the segment, persisted as one small Arrow file per
-batch and held in memory. A lookup hashes the batch's keys and binary-searches the segment's
-hash column with numpy; when the delta outgrows ``merge_ratio`` of the segment, both merge
-into a new segment. ``MANIFEST.json`` names the live files; it is replaced atomically, so a
-crash leaves either the old or the new store, and files it does not name are leftovers.
+docs/design.md "Keyed state"): a *segment*, an Arrow IPC file memory-mapped (the operating
+system pages it, so state may exceed memory), plus *runs*: one small Arrow file per batch of
+changes (upserts and deletes, each key once, sorted by key hash), held in memory.
+
+The segment is in the order of a materialisation, by key group then key hash, with each key
+group's first row in the manifest; so a rebuild loads a materialisation as it is read, and a
+materialisation of a store without runs writes the segment as it is. A lookup hashes the
+batch's keys and binary-searches the runs, newest first, then the segment inside each key's
+key group, with numpy: a batch costs what its keys cost, whatever the size of the state. Past
+``max_runs`` runs, they compact into one; when the runs outgrow ``merge_ratio`` of the
+segment, both merge into a new segment. ``MANIFEST.json`` names the live files; it is
+replaced atomically, so a crash leaves either the old or the new store, and files it does not
+name are leftovers.
 """
 
 import base64
@@ -19,6 +25,7 @@ import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +36,15 @@ import pyarrow.ipc as ipc
 from pipelines.keyed._key_groups import KeyGroupRange, hash_keys
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
-__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "remove_store"]
+__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "group_hash_order",
+           "remove_store"]
 
 _HASH = "_hash"
 _DELETED = "_deleted"
 _MANIFEST = "MANIFEST.json"
-_STORE_FORMAT = "arrow-keyed-store-v1"
+_STORE_FORMAT = "arrow-keyed-store-v2"
+_PREFIXES = ("segment-", "run-", f".{_MANIFEST}")
+_IN_SEGMENT, _ABSENT = -1, -2
 
 
 class LocalStoreError(ValueError):
@@ -104,29 +114,33 @@ class KeyedStateStore(ABC):
 
 
 class ArrowKeyedStateStore(KeyedStateStore):
-    """An Arrow segment (sorted by key hash, memory-mapped) plus a delta; see the module."""
+    """An Arrow segment (sorted by key group then key hash, memory-mapped) plus runs of
+    changes; see the module."""
 
     def __init__(self, directory: str | os.PathLike, layout: KeyedStateLayout,
                  key_groups: KeyGroupRange, *, merge_ratio: float = 0.05,
-                 min_merge_rows: int = 10_000) -> None:
+                 min_merge_rows: int = 10_000, max_runs: int = 16) -> None:
         """Open the store in ``directory`` or create an empty one. A directory holding another
-        stage's or range's store, or an unreadable one, raises ``LocalStoreError``."""
+        stage's or range's store, or an unreadable one, raises ``LocalStoreError``.
+        ``merge_ratio``, ``min_merge_rows``: the runs merge into a new segment once they hold
+        more rows than both; ``max_runs``: past this many runs, they compact into one."""
         self.directory = Path(directory)
         self.layout = layout
         self.key_groups = key_groups
         self.merge_ratio = merge_ratio
         self.min_merge_rows = min_merge_rows
-        # value columns nullable inside the store: deletes are rows of nulls in the delta
+        self.max_runs = max_runs
+        # value columns nullable inside the store: deletes are rows of nulls in a run
         schema = pa.schema([f.with_nullable(True) for f in layout.stored_schema])
         self._segment_schema = schema.append(pa.field(_HASH, pa.uint64()))
-        self._delta_schema = self._segment_schema.append(pa.field(_DELETED, pa.bool_()))
+        self._run_schema = self._segment_schema.append(pa.field(_DELETED, pa.bool_()))
         self._segment_file: str | None = None
-        self._delta_files: list[str] = []
         self._version: str | None = None
-        self._rows = 0  # live rows, kept by every write: counting them costs a delta's lookups
+        self._rows = 0  # live rows, kept by every write: counting them costs the runs' lookups
         self._segment = self._segment_schema.empty_table()
         self._hashes = np.zeros(0, np.uint64)
-        self._delta = self._delta_schema.empty_table()
+        self._offsets = np.zeros(len(key_groups) + 1, np.int64)
+        self._runs: list[_Run] = []
         manifest = self.directory / _MANIFEST
         if manifest.exists():
             self._load(manifest)
@@ -150,7 +164,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         }
 
     def _write_manifest(self) -> None:
-        body = self._identity() | {"segment": self._segment_file, "deltas": self._delta_files,
+        body = self._identity() | {"segment": self._segment_file,
+                                   "offsets": self._offsets.tolist(),
+                                   "runs": [run.name for run in self._runs],
                                    "version": self._version, "rows": self._rows}
         temporary = self.directory / f".{_MANIFEST}.{uuid.uuid4().hex}"
         temporary.write_text(json.dumps(body))
@@ -161,6 +177,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
             body = json.loads(manifest.read_text())
             identity = {k: body[k] for k in self._identity()}
             self._rows = int(body["rows"])
+            segment_file, run_files = body["segment"], [str(n) for n in body["runs"]]
+            offsets = np.asarray(body["offsets"], np.int64)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise LocalStoreError(f"local store {self.directory}: unreadable {_MANIFEST} "
                                   f"({exc}); rebuild it from the checkpoint chain") from exc
@@ -168,24 +186,17 @@ class ArrowKeyedStateStore(KeyedStateStore):
             differs = sorted(k for k in identity if identity[k] != self._identity()[k])
             raise LocalStoreError(f"local store {self.directory} holds other state (its "
                                   f"{', '.join(differs)} differ); rebuild it")
-        self._segment_file, self._delta_files = body["segment"], list(body["deltas"])
         self._version = body["version"]
         try:
-            if self._segment_file is not None:
-                self._map_segment(self._segment_file)
-            deltas = []
-            for name in self._delta_files:
-                with pa.OSFile(str(self.directory / name)) as f:
-                    deltas.append(ipc.open_file(f).read_all())
-            if deltas:
-                self._delta = self._last_per_key(deltas)
-        except (OSError, pa.ArrowInvalid) as exc:
+            if segment_file is not None:
+                self._map_segment(segment_file, offsets)
+            self._runs = [self._read_run(name) for name in run_files]
+        except (OSError, pa.ArrowInvalid, LocalStoreError) as exc:
             raise LocalStoreError(f"local store {self.directory}: {exc}; rebuild it from the "
                                   "checkpoint chain") from exc
-        live = {_MANIFEST, self._segment_file, *self._delta_files}
+        live = {_MANIFEST, segment_file, *run_files}
         for leftover in self.directory.iterdir():  # a crash between a file and the manifest
-            if leftover.name not in live and leftover.name.startswith(("segment-", "delta-",
-                                                                       f".{_MANIFEST}")):
+            if leftover.name not in live and leftover.name.startswith(_PREFIXES):
                 leftover.unlink()
 
     def _write_arrow(self, prefix: str, table: pa.Table) -> str:
@@ -197,12 +208,22 @@ class ArrowKeyedStateStore(KeyedStateStore):
             writer.write_table(table, max_chunksize=1 << 26)
         return name
 
-    def _map_segment(self, name: str) -> None:
+    def _map_segment(self, name: str, offsets: np.ndarray) -> None:
         source = pa.memory_map(str(self.directory / name))
-        self._segment = ipc.open_file(source).read_all()
-        self._hashes = _numpy(self._segment.column(_HASH))
+        segment = ipc.open_file(source).read_all()
+        if len(offsets) != len(self.key_groups) + 1 or offsets[-1] != segment.num_rows:
+            raise LocalStoreError(f"segment {name} does not match the manifest's key group "
+                                  "offsets")
+        self._segment_file, self._segment, self._offsets = name, segment, offsets
+        self._hashes = _numpy(segment.column(_HASH))
 
-    # --- reads ------------------------------------------------------------------------------
+    def _read_run(self, name: str) -> "_Run":
+        with pa.OSFile(str(self.directory / name)) as f:
+            table = ipc.open_file(f).read_all()
+        return _Run(name, table, _numpy(table.column(_HASH)),
+                    _numpy(table.column(_DELETED)) if table.num_rows else np.zeros(0, bool))
+
+    # --- lookups ----------------------------------------------------------------------------
 
     @property
     def version(self) -> str | None:
@@ -212,89 +233,160 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def num_rows(self) -> int:
         return self._rows
 
-    def _live(self, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
-        """Which rows of ``table`` (key columns and ``_hash``, each key once) have a live row
-        in the store (the delta decides for its keys, the segment for the rest), and the
-        delta's rows of those keys."""
-        key = list(self.layout.key)
-        live = np.zeros(table.num_rows, bool)
-        in_delta = np.zeros(table.num_rows, bool)
-        delta_rows = np.zeros(0, np.int64)
-        if self._delta.num_rows:
-            probe = table.select(key).append_column("_row", pa.array(np.arange(table.num_rows)))
-            stored = self._delta.select([*key, _DELETED]).append_column(
-                "_delta_row", pa.array(np.arange(self._delta.num_rows)))
-            matched = probe.join(stored, key, join_type="inner")
-            rows = matched.column("_row").to_numpy()
-            in_delta[rows] = True
-            live[rows] = ~matched.column(_DELETED).to_numpy(zero_copy_only=False)
-            delta_rows = matched.column("_delta_row").to_numpy()
-        rest = np.flatnonzero(~in_delta)
-        if len(rest) and self._segment.num_rows:
-            asked = table.take(pa.array(rest))
-            _, found = self._find_in_segment(asked.select(key), _numpy(asked.column(_HASH)))
-            live[rest[found]] = True
-        return live, delta_rows
-
-    def _find_in_segment(self, keys: pa.Table, hashes: np.ndarray):
-        """(segment row indices, query row indices) of the queried keys found in the segment.
-        Keys with equal hashes form runs; every candidate of a run is compared by key."""
-        left = np.searchsorted(self._hashes, hashes, side="left")
-        right = np.searchsorted(self._hashes, hashes, side="right")
+    def _matching(self, stored: pa.Table, left: np.ndarray, right: np.ndarray,
+                  keys: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+        """(stored row, query row) of the queries whose key is among the stored rows
+        ``left[i]:right[i]`` (the rows with the query's hash: every candidate of a run of
+        equal hashes is compared by key)."""
         counts = right - left
         total = int(counts.sum())
         if not total:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        query = np.repeat(np.arange(len(hashes)), counts)
+        query = np.repeat(np.arange(len(left)), counts)
         firsts = np.repeat(np.cumsum(counts) - counts, counts)
         rows = np.repeat(left, counts) + (np.arange(total) - firsts)
         same = None
         for name in self.layout.key:
-            stored = self._segment.column(name).take(pa.array(rows))
-            asked = keys.column(name).take(pa.array(query))
-            equal = pc.equal(stored, asked)
+            equal = pc.equal(stored.column(name).take(pa.array(rows)),
+                             keys.column(name).take(pa.array(query)))
             same = equal if same is None else pc.and_(same, equal)
         same = same.to_numpy(zero_copy_only=False)
         return rows[same], query[same]
 
+    def _segment_bounds(self, hashes: np.ndarray, side: str) -> np.ndarray:
+        """For each hash, its insertion point in the segment's (key group, hash) order:
+        a binary search inside its key group's rows."""
+        groups = (hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
+        groups -= self.key_groups.start
+        found = np.zeros(len(hashes), np.int64)
+        if not len(hashes) or not self._segment.num_rows:
+            return found
+        order = np.argsort(groups, kind="stable")
+        present, starts = np.unique(groups[order], return_index=True)
+        ends = np.append(starts[1:], len(order))
+        for group, start, end in zip(present.tolist(), starts.tolist(), ends.tolist(),
+                                     strict=True):
+            first, last = self._offsets[group], self._offsets[group + 1]
+            asked = order[start:end]
+            found[asked] = first + np.searchsorted(self._hashes[first:last], hashes[asked],
+                                                   side=side)
+        return found
+
+    def _find_in_segment(self, keys: pa.Table, hashes: np.ndarray):
+        """(segment row, query row) of the queried keys found in the segment."""
+        if not self._segment.num_rows or not len(hashes):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return self._matching(self._segment, self._segment_bounds(hashes, "left"),
+                              self._segment_bounds(hashes, "right"), keys)
+
+    def _resolve(self, keys: pa.Table, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where each queried key's current row is: ``(source, row)``, source the index of
+        the newest run holding the key, ``_IN_SEGMENT``, or ``_ABSENT``."""
+        source = np.full(len(hashes), _ABSENT, np.int64)
+        row = np.zeros(len(hashes), np.int64)
+        pending = np.arange(len(hashes))
+
+        def asked() -> pa.Table:
+            return keys if len(pending) == len(hashes) else keys.take(pa.array(pending))
+
+        for index in range(len(self._runs) - 1, -1, -1):
+            if not len(pending):
+                break
+            run = self._runs[index]
+            rows, query = self._matching(
+                run.table, np.searchsorted(run.hashes, hashes[pending], side="left"),
+                np.searchsorted(run.hashes, hashes[pending], side="right"), asked())
+            source[pending[query]], row[pending[query]] = index, rows
+            pending = np.delete(pending, query)
+        if len(pending):
+            rows, query = self._find_in_segment(asked(), hashes[pending])
+            source[pending[query]], row[pending[query]] = _IN_SEGMENT, rows
+        return source, row
+
+    def _live(self, source: np.ndarray, row: np.ndarray) -> np.ndarray:
+        live = source == _IN_SEGMENT
+        for index in np.unique(source[source >= 0]).tolist():
+            at = source == index
+            live[at] = ~self._runs[index].deleted[row[at]]
+        return live
+
     def get(self, keys: pa.Table, *, cutoff=None) -> pa.Table:
         keys = self.layout.conform_keys(keys, f"local store {self.directory}: keys")
-        key = list(self.layout.key)
-        keys = keys.group_by(key).aggregate([])  # each key once
-        schema = self.layout.stored_schema
-        if self._delta.num_rows:
-            matched = self._delta.join(keys, key, join_type="left semi")
-            from_delta = matched.filter(pc.invert(matched.column(_DELETED)))
-            rest = keys.join(matched.select(key), key, join_type="left anti")
-        else:
-            from_delta, rest = self._delta, keys
-        rows, _ = self._find_in_segment(rest, hash_keys(rest, self.layout.key))
-        found = self._segment.take(pa.array(rows)).select(schema.names)
-        result = concat_as(schema, [found, from_delta])
+        keys = keys.group_by(list(self.layout.key)).aggregate([])  # each key once
+        source, row = self._resolve(keys, hash_keys(keys, self.layout.key))
+        live = self._live(source, row)
+        parts = [self._segment.take(pa.array(row[live & (source == _IN_SEGMENT)]))]
+        for index in np.unique(source[live & (source >= 0)]).tolist():
+            parts.append(self._runs[index].table.take(
+                pa.array(row[live & (source == index)])))
+        result = concat_as(self.layout.stored_schema,
+                           [part.select(self.layout.stored_schema.names) for part in parts])
         if cutoff is not None and self.layout.ttl is not None:
             result = self.layout.ttl.live(result, cutoff)
         return result
 
-    def _materialised(self) -> pa.Table:
-        """The whole state as one table (segment schema), in no particular order."""
-        if not self._delta.num_rows:
-            return self._segment
-        rows, _ = self._find_in_segment(self._delta.select(list(self.layout.key)),
-                                        self._delta.column(_HASH).to_numpy())
-        keep = np.ones(self._segment.num_rows, bool)
-        keep[rows] = False
-        live = self._delta.filter(pc.invert(self._delta.column(_DELETED)))
-        return concat_as(self._segment_schema, [self._segment.filter(pa.array(keep)), live])
+    # --- whole state ------------------------------------------------------------------------
+
+    def _latest_changes(self) -> pa.Table:
+        """The runs as one: each key's newest row (run schema), sorted by hash (but for a
+        single run about to merge). One pass, where folding the runs one by one costs a
+        lookup per run."""
+        if len(self._runs) == 1:
+            return self._runs[0].table
+        table = concat_as(self._run_schema, [run.table for run in self._runs])
+        order = table.select(list(self.layout.key)).append_column(
+            "_row", pa.array(np.arange(table.num_rows)))
+        last = order.group_by(list(self.layout.key), use_threads=False).aggregate(
+            [("_row", "max")])
+        rows = last.column("_row_max").to_numpy()
+        hashes = _numpy(table.column(_HASH))[rows]
+        return table.take(pa.array(rows[np.argsort(hashes, kind="stable")])).combine_chunks()
+
+    def _materialised(self) -> tuple[pa.Table, np.ndarray]:
+        """The whole state (segment schema) in (key group, hash) order, and its key group
+        offsets: the segment without the keys the runs changed, the runs' live rows merged
+        in at their places."""
+        if not self._runs:
+            return self._segment, self._offsets
+        changes = self._latest_changes()
+        hashes = _numpy(changes.column(_HASH)) if changes.num_rows else np.zeros(0, np.uint64)
+        replaced, _ = self._find_in_segment(changes.select(list(self.layout.key)), hashes)
+        kept = np.ones(self._segment.num_rows, bool)
+        kept[replaced] = False
+        added = ~_numpy(changes.column(_DELETED)) if changes.num_rows else np.zeros(0, bool)
+        added_hashes = hashes[added]
+        added_groups = (added_hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
+        order = group_hash_order(added_groups, added_hashes)
+        # where each added row goes among the kept segment rows (all in (group, hash) order)
+        before = np.concatenate([[0], np.cumsum(kept)])[self._segment_bounds(
+            added_hashes[order], "left")]
+        slots = before + np.arange(len(order))
+        total = int(kept.sum()) + len(order)
+        is_added = np.zeros(total, bool)
+        is_added[slots] = True
+        index = np.empty(total, np.int64)
+        index[~is_added] = np.flatnonzero(kept)
+        index[slots] = self._segment.num_rows + np.flatnonzero(added)[order]
+        table = concat_as(self._segment_schema,
+                          [self._segment, changes.select(self._segment_schema.names)])
+        table = table.combine_chunks().take(pa.array(index))  # a take across chunks: 3x
+        removed = np.bincount(self._groups_of(self._hashes[replaced]),
+                              minlength=len(self.key_groups))
+        inserted = np.bincount(added_groups - self.key_groups.start,
+                               minlength=len(self.key_groups))
+        offsets = self._offsets + np.concatenate([[0], np.cumsum(inserted - removed)])
+        return table, offsets
+
+    def _groups_of(self, hashes: np.ndarray) -> np.ndarray:
+        """Key groups of ``hashes``, relative to the range's first."""
+        return ((hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
+                - self.key_groups.start)
 
     def sorted_batches(self, max_rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
-        table = self._materialised()
-        hashes = _numpy(table.column(_HASH))
-        groups = (hashes % np.uint64(self.layout.max_parallelism)).astype(np.int16)
-        # by hash, then stably by key group (a radix sort for int16): numpy's sorts are
-        # about 3x faster than Arrow's sort_by here
-        order = np.argsort(hashes)
-        order = order[np.argsort(groups[order], kind="stable")]
-        table = table.append_column(KEY_GROUP, pa.array(groups)).take(pa.array(order))
+        table, offsets = self._materialised()
+        groups = np.repeat(np.arange(self.key_groups.start, self.key_groups.end + 1,
+                                     dtype=np.int16), np.diff(offsets))
+        table = table.append_column(KEY_GROUP, pa.array(groups))
         table = table.select([*self.layout.stored_schema.names, KEY_GROUP])
         yield from table.to_batches(max_chunksize=max_rows)
 
@@ -310,19 +402,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
                              f"{int(groups[outside][0])}; route rows by key group first")
         return table.append_column(_HASH, pa.array(hashes, pa.uint64()))
 
-    def _last_per_key(self, changes: list[pa.Table]) -> pa.Table:
-        """The delta of ``changes`` applied in order: each key's last row. One pass, where
-        merging them one by one costs a join per file (quadratic in the files)."""
-        table = concat_as(self._delta_schema, changes)
-        order = table.select(list(self.layout.key)).append_column(
-            "_row", pa.array(np.arange(table.num_rows)))
-        last = order.group_by(list(self.layout.key), use_threads=False).aggregate(
-            [("_row", "max")])
-        if last.num_rows == table.num_rows:
-            return table.combine_chunks()
-        return table.take(pa.array(np.sort(last.column("_row_max").to_numpy()))
-                          ).combine_chunks()
-
     def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
         upserts = self.layout.conform(upserts, f"local store {self.directory}: upserts")
         deletes = self.layout.conform_keys(deletes, f"local store {self.directory}: deletes")
@@ -337,68 +416,112 @@ class ArrowKeyedStateStore(KeyedStateStore):
              else pa.nulls(deleted.num_rows, field.type)
              for name, field in zip(self._segment_schema.names, self._segment_schema,
                                     strict=True)}, schema=self._segment_schema)
-        change = concat_as(self._delta_schema, [
+        change = concat_as(self._run_schema, [
             upserts.append_column(_DELETED, pa.repeat(False, upserts.num_rows)),
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
-        threshold = max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
-        was_live, replaced = self._live(change)
-        upserted = ~change.column(_DELETED).to_numpy(zero_copy_only=False)
+        hashes = _numpy(change.column(_HASH))
+        was_live = self._live(*self._resolve(change, hashes))
+        upserted = ~_numpy(change.column(_DELETED))
         self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())
-        kept = np.ones(self._delta.num_rows, bool)
-        kept[replaced] = False
-        self._delta = concat_as(self._delta_schema,
-                                [self._delta.filter(pa.array(kept)), change]).combine_chunks()
-        if self._delta.num_rows > threshold:
-            self._write_segment(self._materialised(), version)
-        else:
-            self._delta_files.append(self._write_arrow("delta", change))
-            self._version = version
-            self._write_manifest()
+        threshold = max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
+        if sum(run.table.num_rows for run in self._runs) + change.num_rows > threshold:
+            # merged at once: never written as a run, nor sorted as one
+            self._runs.append(_Run("", change, hashes, ~upserted))
+            self._write_segment(*self._materialised(), version)
+            return
+        order = np.argsort(hashes, kind="stable")
+        change = change.take(pa.array(order)).combine_chunks()
+        self._runs.append(_Run(self._write_arrow("run", change), change, hashes[order],
+                               ~upserted[order]))
+        if len(self._runs) > self.max_runs:
+            self._compact_runs()
+        self._version = version
+        self._write_manifest()
+        self._remove_unnamed()
+
+    def _compact_runs(self) -> None:
+        """Replace the runs by one (each key's newest row): lookups search fewer runs."""
+        changes = self._latest_changes()
+        name = self._write_arrow("run", changes)
+        self._runs = [_Run(name, changes, _numpy(changes.column(_HASH)),
+                           _numpy(changes.column(_DELETED)))]
 
     def load(self, rows: pa.Table, *, version: str | None = None) -> None:
         rows = self.layout.conform(rows, f"local store {self.directory}: rows")
-        rows = self._with_hashes(rows, "rows")
-        self._write_segment(rows, version)
+        rows = self._with_hashes(rows, "rows").select(self._segment_schema.names)
+        rows = rows.combine_chunks()  # one record batch: see _write_arrow
+        hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
+        groups = self._groups_of(hashes)
+        # a materialisation (or a change file) comes in (key group, hash) order already
+        in_order = bool(np.all((groups[1:] > groups[:-1])
+                               | ((groups[1:] == groups[:-1]) & (hashes[1:] >= hashes[:-1]))))
+        if not in_order:
+            order = group_hash_order(groups, hashes)
+            rows, groups = rows.take(pa.array(order)), groups[order]
+        offsets = np.searchsorted(groups, np.arange(len(self.key_groups) + 1))
+        self._write_segment(rows, offsets, version)
 
-    def _write_segment(self, table: pa.Table, version: str | None) -> None:
-        table = table.select(self._segment_schema.names)
-        table = table.take(pa.array(np.argsort(_numpy(table.column(_HASH)))))
-        old = [self._segment_file, *self._delta_files]
-        self._segment_file = self._write_arrow("segment", table)
-        self._delta_files = []
+    def _write_segment(self, table: pa.Table, offsets: np.ndarray,
+                       version: str | None) -> None:
+        """Make ``table`` (segment schema, (key group, hash) order) the segment, no runs."""
         self._version = version
         self._rows = table.num_rows
+        self._runs = []
+        self._map_segment(self._write_arrow("segment", table), np.asarray(offsets, np.int64))
         self._write_manifest()
-        self._map_segment(self._segment_file)
-        self._delta = self._delta_schema.empty_table()
-        for name in old:
-            if name is not None:
-                (self.directory / name).unlink(missing_ok=True)
+        self._remove_unnamed()
+
+    def _remove_unnamed(self) -> None:
+        """Delete the store files the manifest no longer names (replaced segments, runs)."""
+        live = {self._segment_file, *(run.name for run in self._runs)}
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(("segment-", "run-")) and entry.name not in live:
+                entry.unlink(missing_ok=True)
 
     def drop_expired(self, cutoff, *, version: str | None = None) -> pa.Table:
         if self.layout.ttl is None:
             return self.layout.key_schema.empty_table()
-        table = self._materialised()
-        expired = table.filter(self.layout.ttl.expired(table, cutoff))
-        keys = expired.select(list(self.layout.key))
+        table, offsets = self._materialised()
+        expired = _numpy(self.layout.ttl.expired(table, cutoff)) if table.num_rows else \
+            np.zeros(0, bool)
+        keys = table.filter(pa.array(expired)).select(list(self.layout.key))
         if keys.num_rows:
-            self._write_segment(self.layout.ttl.live(table, cutoff),
-                                version)
+            removed = np.concatenate([[0], np.cumsum(expired)])[offsets]
+            self._write_segment(table.filter(pa.array(~expired)), offsets - removed, version)
         return keys
 
     def close(self) -> None:
         self._segment = self._segment_schema.empty_table()  # releases the memory map
         self._hashes = np.zeros(0, np.uint64)
-        self._delta = self._delta_schema.empty_table()
+        self._runs = []
 
     def destroy(self) -> None:
         self.close()
         remove_store(self.directory)
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One batch's changes (or several compacted): each key once, sorted by hash."""
+
+    name: str
+    table: pa.Table
+    hashes: np.ndarray
+    deleted: np.ndarray
+
+
+def group_hash_order(groups: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    """The permutation that sorts rows by key group, then key hash: a materialisation's order.
+    By hash, then stably by key group as int16 (numpy's radix sort): about 3x faster than
+    Arrow's sort_by or numpy's lexsort."""
+    order = np.argsort(hashes)
+    return order[np.argsort(groups[order].astype(np.int16), kind="stable")]
+
+
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:
-    return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()).to_numpy()
+    return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            ).to_numpy(zero_copy_only=False)
 
 
 def remove_store(directory: str | os.PathLike) -> None:

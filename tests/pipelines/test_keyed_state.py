@@ -5,6 +5,7 @@ import datetime as dt
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -85,8 +86,12 @@ def deletes(keys) -> pa.Table:
 
 
 def store_state(store) -> dict[str, int]:
-    return as_model(pa.Table.from_batches(list(store.sorted_batches()), store.layout.stored_schema
-                                          .append(pa.field("_key_group", pa.int16()))))
+    table = pa.Table.from_batches(list(store.sorted_batches()), store.layout.stored_schema
+                                  .append(pa.field("_key_group", pa.int16())))
+    groups = table.column("_key_group").to_numpy()
+    assert (store.layout.key_groups_of(table) == groups).all(), "rows under other key groups"
+    assert (np.diff(groups) >= 0).all(), "rows out of key group order"
+    return as_model(table)
 
 
 USERS = [f"user_{i}" for i in range(40)]
@@ -98,13 +103,14 @@ BATCHES = st.lists(BATCH.map(lambda b: (b[0], b[1] - b[0].keys())), min_size=1, 
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(BATCHES, st.integers(0, 11))
 def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
-    """For any sequence of batches of upserts and deletes: the store (merging its delta
-    often), the store reopened from disk, and the replay of a materialisation plus the change
-    files since, all hold what a dict holds, and the stores count its keys."""
+    """For any sequence of batches of upserts and deletes: the store (merging and compacting
+    its runs often), the store reopened from disk, the replay of a materialisation plus the
+    change files since and a store rebuilt from them, all hold what a dict holds, and the
+    stores count its keys."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(Path(tmp))
         store = ArrowKeyedStateStore(Path(tmp) / "store", LAYOUT, ALL, merge_ratio=0.5,
-                                     min_merge_rows=5)
+                                     min_merge_rows=5, max_runs=2)
         model: dict[str, int] = {}
         chain = KeyedStateChain(ALL, None)
         for number, (upserts, doomed) in enumerate(batches):
@@ -125,6 +131,8 @@ def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
         assert (model, len(model)) == (store_state(reopened), reopened.num_rows)
         assert str(len(batches) - 1) == reopened.version
         assert model == as_model(replay_chains([chain], LAYOUT, ALL))
+        rebuilt = rebuild_store(Path(tmp) / "rebuilt", LAYOUT, ALL, [chain], "v")
+        assert (model, len(model)) == (store_state(rebuilt), rebuilt.num_rows)
 
 
 @settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow])

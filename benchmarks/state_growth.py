@@ -33,8 +33,9 @@ from the checkpoint and processing one more batch. For ours it also prints the m
 per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
 and, when a local copy of ``pipelines/keyed/_spark.py`` is instrumented to append one JSON
 line per range and batch to ``$PIPELINES_KEYED_TIMINGS`` (step seconds under keys ending in
-``_s``; not in the tree, as timing code does not belong in the task), the executor steps. With more than one
-S and ``--changed``, it checks ours' growth from the smallest to the largest S (<= 1.3x).
+``_s``; not in the tree, as timing code does not belong in the task), the executor steps.
+With more than one S and ``--changed``, it checks ours' growth from the smallest to the
+largest S (<= 1.3x).
 
     python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 22]
         [--repeats 2] [--systems ss-rocksdb,ss-hdfs,before] [--quick]

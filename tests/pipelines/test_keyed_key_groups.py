@@ -120,6 +120,18 @@ def test_hash_of_a_string_depends_only_on_its_bytes(keys):
                               ("k",)).tolist()
 
 
+@settings(deadline=None)
+@given(st.lists(st.binary(min_size=3, max_size=3), min_size=1, max_size=50))
+def test_keys_of_one_width_hash_as_among_keys_of_other_widths(keys):
+    """A batch of keys of one width (hashed down the columns) hashes each key as a batch of
+    mixed widths (hashed row by row) does."""
+    alone = hash_keys(pa.table({"k": pa.array(keys, pa.binary())}), ("k",)).tolist()
+    mixed = hash_keys(pa.table({"k": pa.array([*keys, b"wider key"], pa.binary())}),
+                      ("k",)).tolist()
+
+    assert mixed[:-1] == alone
+
+
 def test_hash_is_stable_across_processes():
     """A fresh interpreter (another hash seed for ``hash()``) computes the same key groups,
     and known keys keep their recorded hashes (a change would misplace stored state)."""

@@ -35,6 +35,7 @@ from pipelines.keyed._key_groups import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
     hash_keys,
+    last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._spark import (
@@ -43,12 +44,14 @@ from pipelines.keyed._spark import (
     KeyedBatch,
     KeyedRangeResult,
     KeyedStageTask,
+    LocalStoreReport,
     MaterialisationPolicy,
     apply_keyed_batch,
     chain_version,
     extend_chains,
     local_store_directory,
     materialise_keyed_state,
+    open_local_stores,
     ranges_to_materialise,
     read_keyed_state,
 )
@@ -83,6 +86,7 @@ __all__ = [
     "KeyedStateLayout",
     "KeyedStateStore",
     "LocalStoreError",
+    "LocalStoreReport",
     "MaterialisationPolicy",
     "StateTtl",
     "TtlTimeCharacteristic",
@@ -97,8 +101,10 @@ __all__ = [
     "encode_keyed_master_state",
     "extend_chains",
     "hash_keys",
+    "last_per_key",
     "local_store_directory",
     "materialise_keyed_state",
+    "open_local_stores",
     "ranges_to_materialise",
     "read_change_file",
     "read_keyed_state",

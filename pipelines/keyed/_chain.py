@@ -48,6 +48,7 @@ from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
     hash_keys,
+    last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 from pipelines.keyed._stage import StateTtl, TtlTimeCharacteristic
@@ -394,7 +395,6 @@ def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyG
     """The ``wanted`` key groups of one chain as ``(base, changes)``: the base (stored rows,
     in the file's order) and the last change per key since (change file rows with
     ``_deleted``; None: no changes)."""
-    key = list(layout.key)
     changes_after = chain.changes
     if chain.materialisation is not None:
         base = read_materialisation(chain.materialisation, layout, chain.key_groups, wanted,
@@ -410,15 +410,10 @@ def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyG
         base = layout.stored_schema.empty_table()
     if not changes_after:
         return base, None
-    changes = []
-    for sequence, change in enumerate(changes_after):
-        table = _read(change, layout, _CHANGE, chain.key_groups, wanted, read_bytes)
-        changes.append(table.append_column("_sequence", pa.repeat(sequence, table.num_rows)))
-    changes = pa.concat_tables(changes)
+    changes = pa.concat_tables([_read(change, layout, _CHANGE, chain.key_groups, wanted,
+                                      read_bytes) for change in changes_after])
     # the last change per key (files in order; a key is once per file)
-    latest = changes.group_by(key, use_threads=False).aggregate([("_sequence", "max")])
-    latest = latest.rename_columns({"_sequence_max": "_sequence"})
-    return base, changes.join(latest, [*key, "_sequence"], join_type="left semi")
+    return base, changes.take(pa.array(last_per_key(changes, layout.key)))
 
 
 def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
@@ -463,13 +458,13 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
             changes += [] if latest is None else [latest]
     remove_store(directory)
     store = ArrowKeyedStateStore(directory, layout, key_groups)
+    latest = pa.concat_tables(changes) if changes else None
+    deleted = None if latest is None else latest.column(DELETED)
     store.load(concat_as(layout.stored_schema, bases) if bases
-               else layout.stored_schema.empty_table(), version=None if changes else version)
-    if changes:
-        latest = pa.concat_tables(changes)
-        deleted = latest.column(DELETED)
-        store.apply(latest.filter(pc.invert(deleted)), latest.filter(deleted).select(
-            list(layout.key)), version=version)
+               else layout.stored_schema.empty_table(),
+               upserts=None if latest is None else latest.filter(pc.invert(deleted)),
+               deletes=None if latest is None else latest.filter(deleted).select(
+                   list(layout.key)), version=version)
     return store
 
 

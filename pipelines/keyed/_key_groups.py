@@ -148,6 +148,35 @@ def hash_keys(table: pa.Table, key: tuple[str, ...]) -> np.ndarray:
     return result
 
 
+def last_per_key(table: pa.Table, key: tuple[str, ...],
+                 hashes: np.ndarray | None = None) -> np.ndarray:
+    """The indices (ascending) of each key's last row in ``table``: the rows that win when
+    the rows are changes applied in order. By key hash (a stable sort), the keys of rows
+    sharing a hash compared; Acero's group-by only if two keys share a hash."""
+    if not table.num_rows:
+        return np.zeros(0, np.int64)
+    if hashes is None:
+        hashes = hash_keys(table, key)
+    order = np.argsort(hashes, kind="stable")
+    ordered = hashes[order]
+    last = np.append(ordered[1:] != ordered[:-1], True)  # the last row of each equal-hash run
+    winner = order[np.flatnonzero(last)]
+    run_of_row = np.cumsum(np.concatenate([[0], last[:-1]]))  # run number of each row
+    shared = np.flatnonzero(np.bincount(run_of_row)[run_of_row] > 1)
+    if len(shared):  # rows whose hash another row has: the same key, or a collision?
+        rows, winners = order[shared], winner[run_of_row[shared]]
+        for name in key:
+            column = table.column(name)
+            if not pc.all(pc.equal(column.take(pa.array(rows)),
+                                   column.take(pa.array(winners)))).as_py():
+                numbered = table.select(list(key)).append_column(
+                    "_row", pa.array(np.arange(table.num_rows)))
+                found = numbered.group_by(list(key), use_threads=False).aggregate(
+                    [("_row", "max")])
+                return np.sort(found.column("_row_max").to_numpy())
+    return np.sort(winner)
+
+
 def check_parallelism(parallelism: int, max_parallelism: int) -> None:
     """``0 < parallelism <= max_parallelism <= UPPER_BOUND_MAX_PARALLELISM``, else ValueError."""
     for value, what in ((parallelism, "parallelism"), (max_parallelism, "max_parallelism")):

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from pipelines.keyed._key_groups import KeyGroupRange, hash_keys
+from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
 __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "group_hash_order",
@@ -77,9 +77,11 @@ class KeyedStateStore(ABC):
         have distinct keys. Every key must belong to this store's key groups."""
 
     @abstractmethod
-    def load(self, rows: pa.Table, *, version: str | None = None) -> None:
-        """Replace the whole state with ``rows`` (stored rows, one per key): a rebuild from
-        the checkpoint chain, without the bookkeeping of ``apply``."""
+    def load(self, rows: pa.Table, *, upserts: pa.Table | None = None,
+             deletes: pa.Table | None = None, version: str | None = None) -> None:
+        """Replace the whole state with ``rows`` (stored rows, one per key), then apply
+        ``upserts`` and ``deletes`` as ``apply`` does: a rebuild from the checkpoint chain
+        (its snapshot, and the last change per key since), in as few writes as it takes."""
 
     @property
     @abstractmethod
@@ -334,12 +336,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         if len(self._runs) == 1:
             return self._runs[0].table
         table = concat_as(self._run_schema, [run.table for run in self._runs])
-        order = table.select(list(self.layout.key)).append_column(
-            "_row", pa.array(np.arange(table.num_rows)))
-        last = order.group_by(list(self.layout.key), use_threads=False).aggregate(
-            [("_row", "max")])
-        rows = last.column("_row_max").to_numpy()
-        hashes = _numpy(table.column(_HASH))[rows]
+        hashes = _numpy(table.column(_HASH))
+        rows = last_per_key(table, self.layout.key, hashes)
+        hashes = hashes[rows]
         return table.take(pa.array(rows[np.argsort(hashes, kind="stable")])).combine_chunks()
 
     def _materialised(self) -> tuple[pa.Table, np.ndarray]:
@@ -351,6 +350,13 @@ class ArrowKeyedStateStore(KeyedStateStore):
         changes = self._latest_changes()
         hashes = _numpy(changes.column(_HASH)) if changes.num_rows else np.zeros(0, np.uint64)
         replaced, _ = self._find_in_segment(changes.select(list(self.layout.key)), hashes)
+        return self._merged(changes, replaced)
+
+    def _merged(self, changes: pa.Table, replaced: np.ndarray) -> tuple[pa.Table, np.ndarray]:
+        """The segment with ``changes`` (run schema, each key once) merged in: without its
+        ``replaced`` rows (those of the changes' keys), with the changes' upserts at their
+        places in (key group, hash) order; and the key group offsets."""
+        hashes = _numpy(changes.column(_HASH)) if changes.num_rows else np.zeros(0, np.uint64)
         kept = np.ones(self._segment.num_rows, bool)
         kept[replaced] = False
         added = ~_numpy(changes.column(_DELETED)) if changes.num_rows else np.zeros(0, bool)
@@ -421,14 +427,18 @@ class ArrowKeyedStateStore(KeyedStateStore):
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
         hashes = _numpy(change.column(_HASH))
-        was_live = self._live(*self._resolve(change, hashes))
+        source, row = self._resolve(change, hashes)
+        was_live = self._live(source, row)
         upserted = ~_numpy(change.column(_DELETED))
         self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())
-        threshold = max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
-        if sum(run.table.num_rows for run in self._runs) + change.num_rows > threshold:
+        if sum(run.table.num_rows for run in self._runs) + change.num_rows > self._threshold():
             # merged at once: never written as a run, nor sorted as one
-            self._runs.append(_Run("", change, hashes, ~upserted))
-            self._write_segment(*self._materialised(), version)
+            if self._runs:
+                self._runs.append(_Run("", change, hashes, ~upserted))
+                merged = self._materialised()
+            else:  # the lookup above found the segment rows the change replaces
+                merged = self._merged(change, row[source == _IN_SEGMENT])
+            self._write_segment(*merged, version)
             return
         order = np.argsort(hashes, kind="stable")
         change = change.take(pa.array(order)).combine_chunks()
@@ -440,6 +450,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._write_manifest()
         self._remove_unnamed()
 
+    def _threshold(self) -> float:
+        """The rows past which the runs merge into the segment."""
+        return max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
+
     def _compact_runs(self) -> None:
         """Replace the runs by one (each key's newest row): lookups search fewer runs."""
         changes = self._latest_changes()
@@ -447,7 +461,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._runs = [_Run(name, changes, _numpy(changes.column(_HASH)),
                            _numpy(changes.column(_DELETED)))]
 
-    def load(self, rows: pa.Table, *, version: str | None = None) -> None:
+    def load(self, rows: pa.Table, *, upserts: pa.Table | None = None,
+             deletes: pa.Table | None = None, version: str | None = None) -> None:
         rows = self.layout.conform(rows, f"local store {self.directory}: rows")
         rows = self._with_hashes(rows, "rows").select(self._segment_schema.names)
         rows = rows.combine_chunks()  # one record batch: see _write_arrow
@@ -460,7 +475,19 @@ class ArrowKeyedStateStore(KeyedStateStore):
             order = group_hash_order(groups, hashes)
             rows, groups = rows.take(pa.array(order)), groups[order]
         offsets = np.searchsorted(groups, np.arange(len(self.key_groups) + 1))
-        self._write_segment(rows, offsets, version)
+        changed = sum(t.num_rows for t in (upserts, deletes) if t is not None)
+        if not changed:
+            self._write_segment(rows, offsets, version)
+            return
+        # the base as the segment, in memory: the changes merge into it before one write
+        # when they would merge at once anyway (a rebuild's changes since a snapshot)
+        self._segment, self._hashes, self._offsets, self._runs = rows, hashes, offsets, []
+        self._rows = rows.num_rows
+        if changed <= self._threshold():
+            self._write_segment(rows, offsets, None)
+        self.apply(self.layout.stored_schema.empty_table() if upserts is None else upserts,
+                   self.layout.key_schema.empty_table() if deletes is None else deletes,
+                   version=version)
 
     def _write_segment(self, table: pa.Table, offsets: np.ndarray,
                        version: str | None) -> None:

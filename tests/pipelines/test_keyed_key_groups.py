@@ -17,6 +17,7 @@ from pipelines.keyed import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
     hash_keys,
+    last_per_key,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +131,19 @@ def test_keys_of_one_width_hash_as_among_keys_of_other_widths(keys):
                       ("k",)).tolist()
 
     assert mixed[:-1] == alone
+
+
+@settings(deadline=None)
+@given(st.lists(st.sampled_from(["a", "b", "c", "dd", "eee"]), max_size=30),
+       st.booleans())
+def test_last_per_key_finds_each_keys_last_row(keys, colliding):
+    """The rows ``last_per_key`` picks are each key's last, also when keys share a hash
+    (every hash forced equal)."""
+    table = pa.table({"k": pa.array(keys, pa.string())})
+    hashes = np.zeros(len(keys), np.uint64) if colliding else None
+    expected = sorted({k: i for i, k in enumerate(keys)}.values())
+
+    assert expected == last_per_key(table, ("k",), hashes).tolist()
 
 
 def test_hash_is_stable_across_processes():

@@ -498,8 +498,7 @@ class StatefulRunner:
                 checkpoint_id, location = self._pending_location()
                 states[stage.name], batch_result = self._keyed.apply(
                     states[stage.name], input, checkpoint_id, location.location_reference, index)
-                notes += _rebuild_notes(stage.name,
-                                        [*batch_result.warmed, *batch_result.ranges])
+                notes += _rebuild_notes(stage.name, batch_result.ranges)
                 keyed_batches.append(batch_result)
                 rows[stage.name] += batch_result.output_rows
                 if number == self._keyed_source_reader:
@@ -778,14 +777,6 @@ class StatefulRunner:
             states[stage.name] = state.localCheckpoint(eager=True)
         return states
 
-    def _warmed(self, states: dict) -> dict:
-        """``states``, with the keyed stages' local stores brought to them in the background
-        while the first batch is planned (a restarted run finds none, or stale ones)."""
-        for state in states.values():
-            if isinstance(state, KeyedStageState):
-                self._keyed.warm(state)
-        return states
-
     def _starting_point(
         self, partition: str, restore_from: str | None, mode: RestoreMode
     ) -> tuple[str | None, dict[str, DataFrame], SourcePosition]:
@@ -802,11 +793,11 @@ class StatefulRunner:
             # A claimed savepoint is deleted once subsumed, an unclaimed snapshot belongs to
             # someone else: keyed chains must not go on referencing their files.
             self._full_snapshot_due = checkpoint.is_savepoint() or mode is RestoreMode.NO_CLAIM
-            return checkpoint.external_pointer, self._warmed(self._restore(metadata)), position
+            return checkpoint.external_pointer, self._restore(metadata), position
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)
             if position.fits(partition, self.order):
-                states = self._warmed(self._restore(checkpoint.metadata))
+                states = self._restore(checkpoint.metadata)
                 return checkpoint.external_pointer, states, position
         if self.order.previous(partition) is None:
             fresh = {stage.name: self._keyed.empty(stage) if isinstance(stage, KeyedStage)

@@ -10,8 +10,6 @@ no checkpoint referenced, so nothing is written that only garbage collection wou
 """
 
 import datetime as dt
-import logging
-import threading
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
@@ -43,13 +41,10 @@ from pipelines.keyed._spark import (
     KeyedBatch,
     KeyedRangeResult,
     KeyedStageTask,
-    LocalStoreReport,
     MaterialisationPolicy,
     apply_keyed_batch,
-    chain_version,
     extend_chains,
     materialise_keyed_state,
-    open_local_stores,
     ranges_to_materialise,
     read_keyed_state,
 )
@@ -58,7 +53,6 @@ from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,39 +96,6 @@ class KeyedStageState:
         }
 
 
-def _versions(chains: tuple[KeyedStateChain, ...]) -> tuple[str, ...]:
-    return tuple(chain_version(chain.key_groups, [chain]) for chain in chains)
-
-
-class _Warmup:
-    """``open_local_stores`` of one stage's restored chains, in a thread of its own: its
-    Spark job runs while the driver plans the first batch (reads the source, runs its
-    event-time job). A failure only costs the warm-up: the batch's tasks rebuild."""
-
-    def __init__(self, spark: SparkSession, task: KeyedStageTask) -> None:
-        self.name = task.stage.name
-        self.reports: list[LocalStoreReport] = []
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(spark, task), daemon=True,
-                                        name=f"keyed-warmup-{self.name}")
-        self._thread.start()
-
-    def _run(self, spark: SparkSession, task: KeyedStageTask) -> None:
-        try:
-            self.reports = open_local_stores(spark, task)
-        except Exception as exc:  # the batch's own tasks rebuild and raise what is wrong
-            self.error = exc
-
-    def wait(self) -> list[LocalStoreReport]:
-        self._thread.join()
-        if self.error is not None:
-            logger.warning("keyed stage %s: opening its local stores ahead of the batch "
-                           "failed (%s: %s); the batch's tasks rebuild them", self.name,
-                           type(self.error).__name__, self.error)
-            return []
-        return self.reports
-
-
 def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain, ...]:
     return tuple(KeyedStateChain(r.key_groups, r.handle, (), r.state_rows) for r in results)
 
@@ -156,9 +117,6 @@ class KeyedStageDriver:
         self.policy = policy
         self.local_dir = local_dir
         self.after_write = after_write  # test seam: KeyedStageTask.after_write
-        self._warmups: dict[str, _Warmup] = {}
-        # per stage, the chain versions this driver last left the local stores at
-        self._stores_at: dict[str, tuple[str, ...]] = {}
 
     @property
     def parallelism(self) -> int:
@@ -220,24 +178,6 @@ class KeyedStageDriver:
                 f"{stage.state_schema.names}")
         return KeyedStageState(stage, self.max_parallelism, tuple(chains), clock)
 
-    def warm(self, state: KeyedStageState) -> None:
-        """Start bringing the local stores to ``state``'s chains in the background (a restart:
-        the stores are missing, or stale), unless this driver left them there itself or the
-        next interval rescales them anyway. The stage's next job waits for it first."""
-        name = state.stage.name
-        self._settle(name)
-        if (state.parallelism != self.parallelism
-                or self._stores_at.get(name) == _versions(state.chains)):
-            return
-        task = self._task(state, 0, CheckpointStorageLocationReference.get_default(), 0,
-                          self._now(state))
-        self._warmups[name] = _Warmup(self.spark, task)
-
-    def _settle(self, name: str) -> list[LocalStoreReport]:
-        """Wait for the stage's warm-up, if one runs; what it rebuilt."""
-        warmup = self._warmups.pop(name, None)
-        return [] if warmup is None else warmup.wait()
-
     # --- tasks -----------------------------------------------------------------------------
 
     def _task(self, state: KeyedStageState, checkpoint_id: int,
@@ -264,24 +204,18 @@ class KeyedStageDriver:
         """At the start of a checkpoint interval: rescale to this driver's parallelism, or
         materialise every range (``full``: e.g. after a NO_CLAIM restore, whose shared files
         the next checkpoint must not reference), or the ranges the policy says are due.
-        Snapshots are written into checkpoint ``checkpoint_id``'s shared state. Returns the
-        new state and what each range's task reported (a warm-up's rebuilds first, when
-        the snapshots had to wait for it)."""
+        Snapshots are written into checkpoint ``checkpoint_id``'s shared state."""
         now = self._now(state)
         if full or state.parallelism != self.parallelism:
-            warmed = self._settle(state.stage.name)
             task = self._task(state, checkpoint_id, reference, 0, now, self.parallelism)
             results = materialise_keyed_state(self.spark, task)
-            state = replace(state, chains=_results_as_chains(results))
-        elif due := ranges_to_materialise(state.chains, self.policy):
-            warmed = self._settle(state.stage.name)
-            task = self._task(state, checkpoint_id, reference, 0, now)
-            results = materialise_keyed_state(self.spark, task, due)
-            state = replace(state, chains=tuple(extend_chains(state.chains, results)))
-        else:
-            return state, []  # a warm-up goes on while the batch's event-time job runs
-        self._stores_at[state.stage.name] = _versions(state.chains)
-        return state, [*warmed, *results]
+            return replace(state, chains=_results_as_chains(results)), results
+        due = ranges_to_materialise(state.chains, self.policy)
+        if not due:
+            return state, []
+        task = self._task(state, checkpoint_id, reference, 0, now)
+        results = materialise_keyed_state(self.spark, task, due)
+        return replace(state, chains=tuple(extend_chains(state.chains, results))), results
 
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
               reference: CheckpointStorageLocationReference, batch: int
@@ -305,12 +239,9 @@ class KeyedStageDriver:
                 late = clock - stage.ttl.ttl
                 input = input.filter(micros >= (late - _EPOCH) // dt.timedelta(microseconds=1))
         state = replace(state, clock=clock)
-        warmed = self._settle(stage.name)
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
-        result = replace(apply_keyed_batch(input, task), read_rows=read_rows,
-                         warmed=tuple(warmed))
+        result = replace(apply_keyed_batch(input, task), read_rows=read_rows)
         chains = tuple(extend_chains(state.chains, result.ranges))
-        self._stores_at[stage.name] = _versions(chains)
         return replace(state, chains=chains), result
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
@@ -318,7 +249,6 @@ class KeyedStageDriver:
         """A self-contained copy for a savepoint: one full snapshot per range written into
         ``reference``'s location, expired rows left out; the run's chains and local stores
         are untouched."""
-        self._settle(state.stage.name)
         task = self._task(state, checkpoint_id, reference, 0, self._now(state))
         results = materialise_keyed_state(self.spark, task, adopt=False)
         return replace(state, chains=_results_as_chains(results))
@@ -327,7 +257,6 @@ class KeyedStageDriver:
         """The stage's whole state as a DataFrame of its state schema (for state sinks and
         checks), replayed on the executors from the chains; expired rows only with
         ``include_expired``."""
-        self._settle(state.stage.name)
         task = self._task(state, 0, CheckpointStorageLocationReference.get_default(), 0,
                           self._now(state))
         return read_keyed_state(self.spark, task, include_expired=include_expired)

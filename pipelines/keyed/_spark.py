@@ -66,14 +66,12 @@ __all__ = [
     "KeyedBatch",
     "KeyedRangeResult",
     "KeyedStageTask",
-    "LocalStoreReport",
     "MaterialisationPolicy",
     "apply_keyed_batch",
     "chain_version",
     "extend_chains",
     "local_store_directory",
     "materialise_keyed_state",
-    "open_local_stores",
     "ranges_to_materialise",
     "read_keyed_state",
     "sweep_other_ranges",
@@ -501,28 +499,16 @@ class KeyedRangeResult:
 
 
 @dataclass(frozen=True)
-class LocalStoreReport:
-    """What bringing one range's local store to its chain cost (``open_local_stores``)."""
-
-    operator_index: int
-    rebuilt: bool
-    rebuild_rows: int
-    rebuild_seconds: float
-
-
-@dataclass(frozen=True)
 class KeyedBatch:
     """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
     read from ``cached``), the ranges' results, the persisted pass both come from, and the
-    input rows the batch had (``input_rows``; None: the rows the ranges received), and what
-    the warm-up of a restarted run rebuilt before it (``warmed``). Call ``release()`` once
-    the output is consumed."""
+    input rows the batch had (``input_rows``; None: the rows the ranges received). Call
+    ``release()`` once the output is consumed."""
 
     output: DataFrame
     ranges: list[KeyedRangeResult]
     cached: DataFrame = field(repr=False)
     read_rows: int | None = None
-    warmed: tuple[LocalStoreReport, ...] = ()
 
     @property
     def output_rows(self) -> int:
@@ -730,37 +716,6 @@ def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
     rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt),
                             from_arrow_schema(_RESULT_SCHEMA)).collect()
     return _results(task, rows)
-
-
-_OPEN_SCHEMA = pa.schema([("operator_index", pa.int32()), ("rebuilt", pa.bool_()),
-                          ("rebuild_rows", pa.int64()), ("rebuild_seconds", pa.float64())])
-
-
-def _open_ranges(task: KeyedStageTask, batches: Iterator[pa.RecordBatch]
-                 ) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body: bring each operator index's local store to the shipped chain
-    (rebuilding it if missing or stale), and report what that cost."""
-    for batch in batches:
-        for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
-            key_groups = task.key_groups(operator_index)
-            directory = local_store_directory(task, key_groups)
-            stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0}
-            with _Locked(directory):
-                _open_current(task, key_groups, directory, stats).close()
-            yield pa.RecordBatch.from_pylist([{"operator_index": operator_index, **stats}],
-                                             schema=_OPEN_SCHEMA)
-
-
-def open_local_stores(spark: SparkSession, task: KeyedStageTask) -> list[LocalStoreReport]:
-    """Bring every range's local store to ``task.chains`` (of ``task.parallelism``), one Spark
-    task per range, and report the rebuilds: a restarted run does this while the driver plans
-    its first batch, so that the batch finds its stores current (where Spark places its tasks
-    on the same executors; elsewhere they rebuild, as always)."""
-    frame = _operator_index_frame(spark, task, None)
-    rows = frame.mapInArrow(partial(_open_ranges, task),
-                            from_arrow_schema(_OPEN_SCHEMA)).collect()
-    return sorted((LocalStoreReport(**row.asDict()) for row in rows),
-                  key=lambda r: r.operator_index)
 
 
 def _replay_ranges(task: KeyedStageTask, include_expired: bool,

@@ -18,8 +18,6 @@ from checkpoint_storage import ByteStreamStateHandle, FileSystemCheckpointStorag
 from pipelines.keyed import (
     KeyedResult,
     KeyedStage,
-    KeyedStageDriver,
-    KeyedStageState,
     KeyedStageTask,
     KeyedStateChain,
     KeyedStateLayout,
@@ -32,7 +30,6 @@ from pipelines.keyed import (
     compute_operator_index_for_key_group,
     extend_chains,
     materialise_keyed_state,
-    open_local_stores,
     ranges_to_materialise,
     replay_chains,
 )
@@ -196,44 +193,6 @@ def test_lost_local_stores_are_rebuilt_from_the_chains(spark, job):
         assert len(before) == rebuilt_rows[-1]
     counts, batch_outputs = expected(3)
     assert (counts, batch_outputs) == (job.state(), outputs)
-
-
-def test_stores_opened_ahead_of_a_batch_are_current_for_it(spark, job):
-    """Opening the local stores ahead of a batch (a restarted run's warm-up) rebuilds every
-    range from the chains; the batch's tasks then find their stores current, and the result
-    is the same."""
-    for batch in range(2):
-        job.run(spark, batch)
-    shutil.rmtree(job.local_dir)
-    sizes = [len(replay_chains([c], LAYOUT, c.key_groups)) for c in job.chains]
-
-    reports = open_local_stores(spark, job.task(2))
-    output, ranges = job.run(spark, 2)
-
-    counts, batch_outputs = expected(3)
-    assert ([(i, True, sizes[i]) for i in range(2)], [False] * len(ranges),
-            counts, batch_outputs[2]) == (
-        [(r.operator_index, r.rebuilt, r.rebuild_rows) for r in reports],
-        [r.rebuilt for r in ranges], job.state(), output)
-
-
-def test_a_failed_warm_up_leaves_the_batch_to_fail_naming_the_file(spark, job, caplog):
-    """A warm-up that cannot rebuild (a change file is gone) does not hang or hide the cause:
-    the driver logs it, and the batch's own tasks fail naming the file."""
-    job.run(spark, 0)
-    shutil.rmtree(job.local_dir)
-    missing = next(h for c in job.chains for h in c.changes)
-    Path(missing.path).unlink()
-    driver = KeyedStageDriver(spark, job.storage, str(job.job_id), MAX_PARALLELISM, 2,
-                              MaterialisationPolicy(), local_dir=str(job.local_dir))
-    state = KeyedStageState(STAGE, MAX_PARALLELISM, tuple(job.chains))
-    task = job.task(1)
-
-    driver.warm(state)
-    frame = spark.createDataFrame([(u,) for u in BATCHES[1]], "user string")
-    with pytest.raises(Exception, match=Path(missing.path).name):
-        driver.apply(state, frame, task.checkpoint_id, task.reference, 1)
-    assert any("ahead of the batch failed" in r.getMessage() for r in caplog.records)
 
 
 def test_a_retried_batch_is_applied_once(spark, job):

@@ -458,13 +458,14 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
             changes += [] if latest is None else [latest]
     remove_store(directory)
     store = ArrowKeyedStateStore(directory, layout, key_groups)
-    latest = pa.concat_tables(changes) if changes else None
-    deleted = None if latest is None else latest.column(DELETED)
-    store.load(concat_as(layout.stored_schema, bases) if bases
-               else layout.stored_schema.empty_table(),
-               upserts=None if latest is None else latest.filter(pc.invert(deleted)),
-               deletes=None if latest is None else latest.filter(deleted).select(
-                   list(layout.key)), version=version)
+    base = concat_as(layout.stored_schema, bases) if bases else layout.stored_schema.empty_table()
+    if not changes:
+        store.load(base, version=version)
+        return store
+    latest = pa.concat_tables(changes)
+    deleted = latest.column(DELETED)
+    store.load(base, upserts=latest.filter(pc.invert(deleted)),
+               deletes=latest.filter(deleted).select(list(layout.key)), version=version)
     return store
 
 

@@ -291,6 +291,12 @@ class StatefulRunner:
         self._lease_owner = lease_owner
         self._lease_ttl = lease_ttl
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
+        if getattr(storage, "file_merging_enabled", False):
+            # Said once, not ignored silently: a user who enabled it expects packed files.
+            logger.warning(
+                "pipeline %s: the checkpoint storage enables file merging, but pipeline state "
+                "is written one file per Spark task and checkpoint, unmerged: a physical file "
+                "cannot outlive the task that writes it (docs/design.md, 7.7)", pipeline.name)
         self._keyed: KeyedStageDriver | None = None
         if pipeline.keyed_stages:
             self._keyed = KeyedStageDriver(

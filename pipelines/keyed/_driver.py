@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from checkpoint_storage import (
     STATE_FORMAT_PREFIX,
@@ -38,10 +37,12 @@ from pipelines.keyed._chain import (
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._spark import (
+    _EPOCH,
     KeyedBatch,
     KeyedRangeResult,
     KeyedStageTask,
     MaterialisationPolicy,
+    _newer,
     apply_keyed_batch,
     extend_chains,
     materialise_keyed_state,
@@ -51,8 +52,6 @@ from pipelines.keyed._spark import (
 from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
 
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
-
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 @dataclass(frozen=True)
@@ -186,8 +185,8 @@ class KeyedStageDriver:
         return KeyedStageTask(
             self.storage, self.job_id, checkpoint_id, reference, state.stage,
             state.stage.output_schema, self.max_parallelism,
-            parallelism or state.parallelism, state.chains, batch, now, self.local_dir,
-            self.after_write)
+            parallelism or state.parallelism, state.chains, batch, now, state.clock,
+            self.local_dir, self.after_write)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""
@@ -220,29 +219,15 @@ class KeyedStageDriver:
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
               reference: CheckpointStorageLocationReference, batch: int
               ) -> tuple[KeyedStageState, KeyedBatch]:
-        """One batch: advance the event-time clock over the whole batch, drop rows behind
-        it, run the stage on every range with rows (their change files go to checkpoint
+        """One batch: run the stage on every range with rows, each advancing the event-time
+        clock over the whole batch and dropping rows behind it (their change files go to checkpoint
         ``checkpoint_id``'s shared state); returns the new state and the batch's output and
         ranges (``release()`` it once its output is consumed)."""
-        stage = state.stage
-        clock, read_rows = state.clock, None
-        if stage.event_time is not None:
-            if stage.event_time not in input.columns:
-                raise ValueError(f"keyed stage {stage.name}: event_time column "
-                                 f"{stage.event_time!r} is not in its input {input.columns}")
-            micros = F.unix_micros(F.col(stage.event_time))
-            newest, read_rows = input.agg(F.max(micros), F.count(F.lit(1))).first()
-            if newest is not None:
-                seen = _EPOCH + dt.timedelta(microseconds=newest)
-                clock = seen if clock is None or seen > clock else clock
-            if stage.ttl is not None and clock is not None:
-                late = clock - stage.ttl.ttl
-                input = input.filter(micros >= (late - _EPOCH) // dt.timedelta(microseconds=1))
-        state = replace(state, clock=clock)
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
-        result = replace(apply_keyed_batch(input, task), read_rows=read_rows)
-        chains = tuple(extend_chains(state.chains, result.ranges))
-        return replace(state, chains=chains), result
+        result = apply_keyed_batch(input, task)
+        state = replace(state, clock=_newer(state.clock, result.newest),
+                        chains=tuple(extend_chains(state.chains, result.ranges)))
+        return state, result
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
                  reference: CheckpointStorageLocationReference) -> KeyedStageState:

@@ -22,7 +22,7 @@ import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -57,7 +57,7 @@ from pipelines.keyed._key_groups import (
     hash_keys,
 )
 from pipelines.keyed._layout import KeyedStateLayout
-from pipelines.keyed._stage import KeyedStage
+from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
 from pipelines.keyed._store import ArrowKeyedStateStore, LocalStoreError, remove_store
 
 __all__ = [
@@ -81,13 +81,25 @@ OPERATOR_INDEX = "_operator_index"
 """The column ``apply_keyed_batch`` adds to route rows: the task (range) that owns each key."""
 _ROUTE = "_route"  # a value per range that Spark's hash partitioning sends to its own partition
 _ROUTES: dict[int, tuple[int, ...]] = {}
+# A routing task's summary, sent to every range's task among the rows (operator index -1):
+# the rows it read and their newest event time. Every range's task thus sees the whole
+# batch's clock without a Spark job of its own to compute it first.
+_SUMMARY_INDEX = -1
+_ROWS = "_rows"
+_NEWEST = "_newest"
+_ROUTING_FIELDS = [pa.field(OPERATOR_INDEX, pa.int32(), False), pa.field(_ROUTE, pa.int32(), False),
+                   pa.field(_ROWS, pa.int64()), pa.field(_NEWEST, pa.int64())]
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 _OUTPUT = "output"
 _CHANGE = "change"
 _MATERIALISATION = "materialisation"
+_SUMMARY = "summary"
 _OUTPUT_ROWS_PER_PAYLOAD = 1 << 16
 _RESULT_SCHEMA = pa.schema([
-    ("row_kind", pa.string()),  # "output" (payload) or "change"/"materialisation" (handle)
+    # "output" (payload), "change"/"materialisation" (handle) or "summary" (the batch's
+    # rows and newest event time, as a range's task saw them)
+    ("row_kind", pa.string()),
     ("operator_index", pa.int32()),
     ("attempt", pa.int32()),
     ("payload", pa.binary()),  # output rows as one Arrow IPC stream
@@ -98,6 +110,7 @@ _RESULT_SCHEMA = pa.schema([
     ("rebuilt", pa.bool_()),
     ("rebuild_rows", pa.int64()),
     ("rebuild_seconds", pa.float64()),
+    ("newest", pa.int64()),  # the batch's newest event time, microseconds since the epoch
     *[(f.name, t) for f, t in zip(fields(StateHandleRef), (
         pa.string(), pa.string(), pa.int64(), pa.int64(), pa.binary(), pa.string(), pa.int64(),
         pa.string(), pa.string()), strict=True)],
@@ -164,7 +177,11 @@ class KeyedStageTask:
     ``chains``: for a batch, chain ``i`` is range ``i`` of ``parallelism`` (Flink's ranges);
     for a materialisation any chains covering all key groups (e.g. another parallelism's:
     that is rescaling). ``now``: the batch's time for state expiry (processing-time stamps and
-    the cutoff); None when the stage has no ``ttl``. ``local_dir``: the base directory of the
+    the cutoff); None when the stage has no ``ttl``. For a batch of a stage with event-time
+    expiry, ``now`` is the clock before the batch: each range's task advances it by the
+    batch's newest event time. ``clock``: a stage with ``event_time``: the newest event time
+    seen before this batch (None: none yet); input rows behind the clock, advanced by the
+    batch, minus the ``ttl`` are dropped. ``local_dir``: the base directory of the
     local stores on each executor (None: the executor's temp directory). ``after_write``: a
     test seam, ``after_write(operator_index, attempt)`` runs on the executor once a range's
     change file or snapshot is written and its local store updated, before the result
@@ -181,6 +198,7 @@ class KeyedStageTask:
     chains: tuple[ChainRef, ...]
     batch: int
     now: dt.datetime | None = None
+    clock: dt.datetime | None = None
     local_dir: str | None = None
     after_write: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
@@ -373,31 +391,87 @@ def _routes(partitions: int) -> tuple[int, ...]:
     return _ROUTES[partitions]
 
 
-def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...],
+def _routed_schema(input: pa.Schema) -> pa.Schema:
+    """The routed rows: the input's columns, nullable (a summary row has no values), and the
+    routing columns."""
+    return pa.schema([*(f.with_nullable(True) for f in input), *_ROUTING_FIELDS])
+
+
+def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.Schema,
                       batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: each row's owning range, from the stable key hash, and its
-    range's route."""
-    key = task.stage.key
+    range's route; then one summary row per range: this task's rows read and their newest
+    event time. ``input``: the input's Arrow schema, for a task that got no rows."""
+    key, event_time = task.stage.key, task.stage.event_time
+    rows, newest = 0, None
+    schema = _routed_schema(input)
     for batch in batches:
+        schema = _routed_schema(batch.schema)  # the types Spark sent, e.g. its time zone
+        rows += batch.num_rows
+        if event_time is not None:
+            newest = _newer(newest, pc.max(_micros(batch.column(event_time))).as_py())
         groups = hash_keys(pa.Table.from_batches([batch]), key) % task.max_parallelism
         # Flink's compute_operator_index_for_key_group, vectorised
         indices = (groups.astype("int64") * task.parallelism // task.max_parallelism)
-        batch = batch.append_column(OPERATOR_INDEX, pa.array(indices.astype("int32")))
-        yield batch.append_column(_ROUTE, pa.array(np.asarray(routes, dtype="int32")[indices]))
+        yield pa.RecordBatch.from_arrays([
+            *batch.columns, pa.array(indices.astype("int32")),
+            pa.array(np.asarray(routes, dtype="int32")[indices]),
+            pa.nulls(batch.num_rows, pa.int64()), pa.nulls(batch.num_rows, pa.int64())],
+            schema=schema)
+    count = len(routes)
+    yield pa.RecordBatch.from_arrays([
+        *(pa.nulls(count, f.type) for f in list(schema)[:-len(_ROUTING_FIELDS)]),
+        pa.array([_SUMMARY_INDEX] * count, pa.int32()), pa.array(routes, pa.int32()),
+        pa.array([rows] * count, pa.int64()), pa.array([newest] * count, pa.int64())],
+        schema=schema)
+
+
+def _micros(times: pa.Array) -> pa.Array:
+    """A zoned timestamp column as microseconds since the epoch (Spark's ``unix_micros``)."""
+    return pc.cast(pc.cast(times, pa.timestamp("us", times.type.tz)), pa.int64())
+
+
+def _newer(a, b):
+    """The later of two times (ints or datetimes), either of which may be None."""
+    return a if b is None else b if a is None else max(a, b)
 
 
 def _run_partition(task: KeyedStageTask,
                    batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body after routing: the rows of one range (or none)."""
+    """``mapInArrow`` body after routing: the routing tasks' summaries and the rows of one
+    range (or none). Advances the clock by the batch's newest event time, drops rows behind
+    it minus the ``ttl``, runs the range if rows are left, and reports the batch as this
+    task saw it (a summary row): every range's task sees the same summaries."""
     batches = [b for b in batches if b.num_rows]
     if not batches:
-        return
+        return  # no routing task ran: the input had no partitions
     table = pa.Table.from_batches(batches)
+    summary = pc.equal(table.column(OPERATOR_INDEX), _SUMMARY_INDEX)
+    summaries, table = table.filter(summary), table.filter(pc.invert(summary))
+    newest = pc.max(summaries.column(_NEWEST)).as_py()
+    partition, attempt = _context()
+    yield pa.RecordBatch.from_pylist([{
+        "row_kind": _SUMMARY, "operator_index": partition, "attempt": attempt,
+        "input_rows": pc.sum(summaries.column(_ROWS)).as_py(), "newest": newest}],
+        schema=_RESULT_SCHEMA)
+    stage = task.stage
+    if stage.event_time is not None:
+        clock = task.clock if newest is None else _newer(
+            task.clock, _EPOCH + dt.timedelta(microseconds=newest))
+        if stage.ttl is not None and clock is not None:
+            late = (stage.ttl.cutoff(clock) - _EPOCH) // dt.timedelta(microseconds=1)
+            table = table.filter(pc.greater_equal(_micros(table.column(stage.event_time)),
+                                                  late))
+            if stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
+                task = replace(task, now=clock)
+    if not table.num_rows:
+        return
     indices = pc.unique(table.column(OPERATOR_INDEX))
     if len(indices) != 1:
         raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
                            f"{indices.to_pylist()} reached one task; routing is broken")
-    yield from _run_range(task, (indices[0],), table.drop_columns([_ROUTE])).to_batches()
+    yield from _run_range(task, (indices[0],),
+                          table.drop_columns([_ROUTE, _ROWS, _NEWEST])).to_batches()
 
 
 def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table:
@@ -501,27 +575,33 @@ class KeyedRangeResult:
 @dataclass(frozen=True)
 class KeyedBatch:
     """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
-    read from ``cached``), the ranges' results, the persisted pass both come from, and the
-    input rows the batch had (``input_rows``; None: the rows the ranges received). Call
-    ``release()`` once the output is consumed."""
+    read from ``cached``), the ranges' results, the persisted pass both come from, the input
+    rows the batch had (late rows included) and their newest event time (a stage with
+    ``event_time``; None: no event time). Call ``release()`` once the output is consumed."""
 
     output: DataFrame
     ranges: list[KeyedRangeResult]
     cached: DataFrame = field(repr=False)
-    read_rows: int | None = None
+    input_rows: int = 0
+    newest: dt.datetime | None = None
 
     @property
     def output_rows(self) -> int:
         return sum(r.output_rows for r in self.ranges)
 
-    @property
-    def input_rows(self) -> int:
-        if self.read_rows is not None:
-            return self.read_rows
-        return sum(r.input_rows for r in self.ranges)
-
     def release(self) -> None:
         self.cached.unpersist()
+
+
+def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None]:
+    """The batch's input rows and newest event time from the ranges' summary rows, which
+    must agree: each range's task received every routing task's summary."""
+    seen = {(row["input_rows"], row["newest"]) for row in rows if row["row_kind"] == _SUMMARY}
+    if len(seen) > 1:
+        raise RuntimeError(f"keyed stage {task.stage.name}: the ranges saw different "
+                           f"batches {sorted(seen, key=str)}; routing is broken")
+    count, newest = seen.pop() if seen else (0, None)
+    return count, None if newest is None else _EPOCH + dt.timedelta(microseconds=newest)
 
 
 def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
@@ -529,6 +609,8 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
     results = {}
     for row in rows:
         row = row.asDict()
+        if row["row_kind"] == _SUMMARY:
+            continue
         ref = {f.name: row[_HANDLE_KIND if f.name == "kind" else f.name]
                for f in fields(StateHandleRef)}
         index = row["operator_index"]
@@ -544,6 +626,10 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     """Run one batch of a keyed stage: route rows to their range by key group, run the stage
     once per range that has rows (one Spark task per range), write each
     range's change file; returns the output and one ``KeyedRangeResult`` per range with rows.
+    A stage with ``event_time``: each range's task advances ``task.clock`` by the batch's
+    newest event time (the routing tasks send it along with the rows: no Spark job of its
+    own), drops rows behind the clock minus the ``ttl`` and, with event-time expiry, expires
+    state at it.
     ``task.chains`` must be range ``i`` of ``task.parallelism`` each: after a change of
     parallelism, ``materialise_keyed_state`` the new ranges first."""
     if not task.is_aligned():
@@ -555,11 +641,21 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
         raise ValueError(f"keyed stage {task.stage.name}: the input needs the key column(s) "
                          f"{list(task.stage.key)} and no column {OPERATOR_INDEX}; it has "
                          f"{input.columns}")
-    routed_type = T.StructType([*input.schema.fields,
-                                T.StructField(OPERATOR_INDEX, T.IntegerType(), False),
-                                T.StructField(_ROUTE, T.IntegerType(), False)])
+    event_time = task.stage.event_time
+    if event_time is not None and not isinstance(
+            input.schema[event_time].dataType if event_time in input.columns else None,
+            T.TimestampType):
+        raise ValueError(f"keyed stage {task.stage.name}: event_time column {event_time!r} "
+                         f"must be a TIMESTAMP column of its input; the input is "
+                         f"{input.schema.simpleString()}")
+    input_schema = to_arrow_schema(input.schema, timezone=input.sparkSession.conf.get(
+        "spark.sql.session.timeZone"))
+    routed_type = T.StructType([
+        *(T.StructField(f.name, f.dataType, True, f.metadata) for f in input.schema.fields),
+        *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])
     routes = _routes(task.parallelism)
-    routed = input.mapInArrow(partial(_operator_indices, task, routes), routed_type)
+    routed = input.mapInArrow(partial(_operator_indices, task, routes, input_schema),
+                              routed_type)
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive
     # execution, and each range's route hashes to its own partition.
     cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
@@ -573,7 +669,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     target = _spark_arrow_schema(task.output_schema)
     output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
         partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
-    return KeyedBatch(output, _results(task, handles), cached)
+    return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles))
 
 
 def extend_chains(chains: Sequence[KeyedStateChain],

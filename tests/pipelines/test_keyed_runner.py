@@ -277,3 +277,16 @@ def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
     assert expected(["p1", "p2"]) == state_of(runner)
 
 
+
+
+def test_file_merging_enabled_on_the_storage_is_reported_not_ignored(spark, tmp_path, caplog):
+    """A storage with file merging enabled gets a warning naming the pipeline that its state
+    files are not merged; the run still equals a recomputation."""
+    storage = storage_of(tmp_path, file_merging_enabled=True)
+    with caplog.at_level("WARNING", logger="pipelines.runner"):
+        runner = StatefulRunner(spark, storage, totals_pipeline(tmp_path),
+                                keyed_local_dir=str(tmp_path / "local"))
+    runner.run(["p1"])
+    warned = [r.getMessage() for r in caplog.records if "file merging" in r.getMessage()]
+    assert (1, True, expected(["p1"])) == (
+        len(warned), "keyed_totals" in "".join(warned), state_of(runner))

@@ -283,3 +283,88 @@ def test_expired_state_is_not_handed_to_the_stage(spark, job):
                        state.column("_written_at").to_pylist(), strict=True))
     assert (sorted((u, n) for u, n in Counter(BATCHES[1]).items()),
             t0 + dt.timedelta(hours=2), t0) == (output, written["bob"], written["dee"])
+
+
+T0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
+TIMED_STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64()),
+                         ("last", pa.timestamp("us", tz="UTC"))])
+
+
+def count_timed_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
+    counted = count_clicks(input, state).upserts
+    last = input.group_by("user").aggregate([("ts", "max")])
+    upserts = counted.join(last, "user").rename_columns(["user", "clicks", "last"])
+    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}),
+                       upserts.select(["user", "clicks"]))
+
+
+TIMED_STAGE = KeyedStage(
+    "timed", "user", TIMED_STATE, count_timed_clicks, output_schema=OUTPUT, event_time="ts",
+    ttl=StateTtl(dt.timedelta(hours=1), TtlTimeCharacteristic.EVENT_TIME, "last"))
+
+
+def timed_frame(spark, rows: list[tuple[str, float | None]]):
+    """Clicks as (user, hours after T0 or None)."""
+    return spark.createDataFrame(
+        [(u, None if h is None else T0 + dt.timedelta(hours=h)) for u, h in rows],
+        "user string, ts timestamp")
+
+
+def run_timed(spark, job: Job, batch: int, rows, clock: dt.datetime | None):
+    task = replace(job.task(batch), stage=TIMED_STAGE, now=clock or T0, clock=clock)
+    result = apply_keyed_batch(timed_frame(spark, rows), task)
+    try:
+        output = sorted((r["user"], r["clicks"]) for r in result.output.collect())
+    finally:
+        result.release()
+    job.chains = extend_chains(job.chains, result.ranges)
+    return output, result
+
+
+def test_each_range_advances_the_event_time_clock_over_the_whole_batch(spark, job):
+    """The ranges advance the clock by the batch's newest event time, whichever range holds
+    it: a row behind the new clock minus the TTL, or without an event time, is dropped, state
+    last seen before it is expired, only ranges with rows left write a change file, and the
+    batch reports every row it read and its newest event time."""
+    run_timed(spark, job, 0, [("ann", 0), ("hal", 0)], None)
+    # ann's range is 0, eve's and hal's 1: range 1 must learn the clock from range 0's row.
+    output, result = run_timed(spark, job, 1, [("ann", 3), ("eve", 1), ("hal", 2.5),
+                                               ("cid", None)], T0)
+    assert ([("ann", 1), ("hal", 1)], 4, T0 + dt.timedelta(hours=3), [0, 1]) == (
+        output, result.input_rows, result.newest, [r.operator_index for r in result.ranges])
+
+
+def test_a_batch_with_no_event_time_keeps_the_clock(spark, job):
+    """A batch whose rows have no event time reports every row read and no newest event
+    time (the clock stays where it was), and its rows, behind any clock, are dropped."""
+    run_timed(spark, job, 0, [("ann", 5)], None)
+    output, result = run_timed(spark, job, 1, [("ann", None), ("bob", None)], T0 + dt.timedelta(
+        hours=5))
+    assert ([], None, 2) == (output, result.newest, result.input_rows)
+
+
+def test_the_event_time_clock_costs_no_spark_job_of_its_own(spark, tmp_path):
+    """A batch of a stage with an event-time clock runs as many Spark jobs as the same batch
+    of a stage without one: the clock travels with the routed rows."""
+    jobs = []
+    for name, stage in (("plain", replace(TIMED_STAGE, ttl=None, event_time=None)),
+                        ("timed", TIMED_STAGE)):
+        job = Job(tmp_path / name, 2)
+        task = replace(job.task(0), stage=stage, now=T0)
+        frame = timed_frame(spark, [("ann", 0), ("bob", 1)])
+        spark.sparkContext.setJobGroup(name, name)
+        try:
+            apply_keyed_batch(frame, task).release()
+        finally:
+            spark.sparkContext.setJobGroup("", "")
+        jobs.append(len(spark.sparkContext.statusTracker().getJobIdsForGroup(name)))
+    assert jobs[0] == jobs[1] > 0
+
+
+def test_an_event_time_column_that_is_not_a_timestamp_is_refused(spark, job):
+    """An event-time column of another type is refused, naming the stage and the column."""
+    frame = spark.createDataFrame([("ann", "2026-03-10")], "user string, ts string")
+    with pytest.raises(ValueError) as refused:
+        apply_keyed_batch(frame, replace(job.task(0), stage=TIMED_STAGE, now=T0))
+    assert ("keyed stage timed", "'ts'", "TIMESTAMP") == tuple(
+        s for s in ("keyed stage timed", "'ts'", "TIMESTAMP") if s in str(refused.value))

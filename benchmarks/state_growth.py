@@ -513,7 +513,7 @@ def _profile_ours() -> Phases:
     phases.wrap(FileSource, "read", "source: read plan")
     phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
     phases.wrap(DataFrame, "count", "count", numbered=True)
-    phases.wrap(DataFrame, "first", "first (event-time max)", numbered=True)
+    phases.wrap(DataFrame, "first", "first", numbered=True)
     phases.wrap(driver, "apply_keyed_batch", "apply_keyed_batch (route + applyInArrow + "
                 "collect handles)")
     phases.wrap(driver.KeyedStageDriver, "prepare", "prepare (materialise if due)")

@@ -219,9 +219,10 @@ class KeyedStageDriver:
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
               reference: CheckpointStorageLocationReference, batch: int
               ) -> tuple[KeyedStageState, KeyedBatch]:
-        """One batch: run the stage on every range with rows, each advancing the event-time
-        clock over the whole batch and dropping rows behind it (their change files go to checkpoint
-        ``checkpoint_id``'s shared state); returns the new state and the batch's output and
+        """One batch: run the stage on every range with rows, writing their change files
+        into checkpoint ``checkpoint_id``'s shared state. Each range's task first advances
+        the event-time clock over the whole batch and drops its rows behind the clock minus
+        the ttl. Returns the new state (its clock advanced) and the batch's output and
         ranges (``release()`` it once its output is consumed)."""
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
         result = apply_keyed_batch(input, task)

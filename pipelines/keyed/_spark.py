@@ -402,7 +402,7 @@ def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.S
     """``mapInArrow`` body: each row's owning range, from the stable key hash, and its
     range's route; then one summary row per range: this task's rows read and their newest
     event time. ``input``: the input's Arrow schema, for a task that got no rows."""
-    key, event_time = task.stage.key, task.stage.event_time
+    event_time = task.stage.event_time
     rows, newest = 0, None
     schema = _routed_schema(input)
     for batch in batches:
@@ -410,9 +410,7 @@ def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.S
         rows += batch.num_rows
         if event_time is not None:
             newest = _newer(newest, pc.max(_micros(batch.column(event_time))).as_py())
-        groups = hash_keys(pa.Table.from_batches([batch]), key) % task.max_parallelism
-        # Flink's compute_operator_index_for_key_group, vectorised
-        indices = (groups.astype("int64") * task.parallelism // task.max_parallelism)
+        indices = _operator_indices_of(task, pa.Table.from_batches([batch]))
         yield pa.RecordBatch.from_arrays([
             *batch.columns, pa.array(indices.astype("int32")),
             pa.array(np.asarray(routes, dtype="int32")[indices]),
@@ -424,6 +422,27 @@ def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.S
         pa.array([_SUMMARY_INDEX] * count, pa.int32()), pa.array(routes, pa.int32()),
         pa.array([rows] * count, pa.int64()), pa.array([newest] * count, pa.int64())],
         schema=schema)
+
+
+def _operator_indices_of(task: KeyedStageTask, table: pa.Table) -> np.ndarray:
+    """Each row's range (Flink's compute_operator_index_for_key_group, vectorised). A stage
+    that drops late rows sends a row without a key to range 0 instead of failing here: the
+    row may be late, and only the range's task knows the batch's clock."""
+    key = task.stage.key
+    valid = None
+    if task.stage.event_time is not None and task.stage.ttl is not None:
+        for name in key:
+            column = pc.is_valid(table.column(name))
+            valid = column if valid is None else pc.and_(valid, column)
+        valid = valid.to_numpy(zero_copy_only=False)
+    keyed = table if valid is None or valid.all() else table.filter(pa.array(valid))
+    groups = hash_keys(keyed, key) % task.max_parallelism
+    indices = groups.astype("int64") * task.parallelism // task.max_parallelism
+    if keyed is table:
+        return indices
+    everyone = np.zeros(table.num_rows, np.int64)
+    everyone[valid] = indices
+    return everyone
 
 
 def _micros(times: pa.Array) -> pa.Array:
@@ -466,6 +485,8 @@ def _run_partition(task: KeyedStageTask,
                 task = replace(task, now=clock)
     if not table.num_rows:
         return
+    if any(table.column(name).null_count for name in stage.key):
+        hash_keys(table.select(list(stage.key)), stage.key)  # says: keys must not be null
     indices = pc.unique(table.column(OPERATOR_INDEX))
     if len(indices) != 1:
         raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
@@ -598,8 +619,10 @@ def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None]:
     must agree: each range's task received every routing task's summary."""
     seen = {(row["input_rows"], row["newest"]) for row in rows if row["row_kind"] == _SUMMARY}
     if len(seen) > 1:
-        raise RuntimeError(f"keyed stage {task.stage.name}: the ranges saw different "
-                           f"batches {sorted(seen, key=str)}; routing is broken")
+        raise RuntimeError(f"keyed stage {task.stage.name}: the ranges saw different input "
+                           f"(rows, newest event time: {sorted(seen, key=str)}): the batch "
+                           "changed between task attempts; the source must be replayable "
+                           "(read the same rows again when a task is retried)")
     count, newest = seen.pop() if seen else (0, None)
     return count, None if newest is None else _EPOCH + dt.timedelta(microseconds=newest)
 
@@ -624,8 +647,9 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
 
 def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     """Run one batch of a keyed stage: route rows to their range by key group, run the stage
-    once per range that has rows (one Spark task per range), write each
-    range's change file; returns the output and one ``KeyedRangeResult`` per range with rows.
+    once per range that has rows (after late rows are dropped; one Spark task per range),
+    write each range's change file; returns the output and one ``KeyedRangeResult`` per range
+    that ran.
     A stage with ``event_time``: each range's task advances ``task.clock`` by the batch's
     newest event time (the routing tasks send it along with the rows: no Spark job of its
     own), drops rows behind the clock minus the ``ttl`` and, with event-time expiry, expires
@@ -637,16 +661,18 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
                          f"parallelism {task.parallelism} (rescaled?); materialise the new "
                          "ranges with materialise_keyed_state first")
     missing = [k for k in task.stage.key if k not in input.columns]
-    if missing or OPERATOR_INDEX in input.columns:
+    reserved = [f.name for f in _ROUTING_FIELDS]
+    if missing or set(reserved) & set(input.columns):
         raise ValueError(f"keyed stage {task.stage.name}: the input needs the key column(s) "
-                         f"{list(task.stage.key)} and no column {OPERATOR_INDEX}; it has "
-                         f"{input.columns}")
+                         f"{list(task.stage.key)} and none of the columns {reserved} (they "
+                         f"route rows; rename them); it has {input.columns}")
     event_time = task.stage.event_time
     if event_time is not None and not isinstance(
             input.schema[event_time].dataType if event_time in input.columns else None,
             T.TimestampType):
         raise ValueError(f"keyed stage {task.stage.name}: event_time column {event_time!r} "
-                         f"must be a TIMESTAMP column of its input; the input is "
+                         f"must be a TIMESTAMP column of its input (cast a date or "
+                         f"TIMESTAMP_NTZ column first); the input is "
                          f"{input.schema.simpleString()}")
     input_schema = to_arrow_schema(input.schema, timezone=input.sparkSession.conf.get(
         "spark.sql.session.timeZone"))

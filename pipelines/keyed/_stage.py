@@ -131,7 +131,8 @@ class KeyedStage:
     stage's name, or None for the previous stage's output (the source for the first stage).
     ``output_schema``: the schema of the output rows (None: the state schema).
 
-    ``event_time``: the input's event-time column, the stage's clock: its newest value seen
+    ``event_time``: the input's event-time column (a Spark ``TIMESTAMP``; cast a date or a
+    ``TIMESTAMP_NTZ`` column first), the stage's clock: its newest value seen
     so far, this batch included, is "now" for event-time expiry, and input rows older than
     that clock minus the ``ttl`` are dropped before ``apply`` as too late (their keys' state
     may already have expired, as Spark drops rows behind a watermark). Event-time expiry

@@ -278,7 +278,6 @@ def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
 
 
 
-
 def test_file_merging_enabled_on_the_storage_is_reported_not_ignored(spark, tmp_path, caplog):
     """A storage with file merging enabled gets a warning naming the pipeline that its state
     files are not merged; the run still equals a recomputation."""

@@ -18,6 +18,7 @@ from checkpoint_storage import ByteStreamStateHandle, FileSystemCheckpointStorag
 from pipelines.keyed import (
     KeyedResult,
     KeyedStage,
+    KeyedStageDriver,
     KeyedStageTask,
     KeyedStateChain,
     KeyedStateLayout,
@@ -327,8 +328,9 @@ def test_each_range_advances_the_event_time_clock_over_the_whole_batch(spark, jo
     last seen before it is expired, only ranges with rows left write a change file, and the
     batch reports every row it read and its newest event time."""
     run_timed(spark, job, 0, [("ann", 0), ("hal", 0)], None)
-    # ann's range is 0, eve's and hal's 1: range 1 must learn the clock from range 0's row.
-    output, result = run_timed(spark, job, 1, [("ann", 3), ("eve", 1), ("hal", 2.5),
+    # ann's range is 0, eve's and hal's 1: by range 1's rows alone the clock would be 2.5 h
+    # and eve (1.75 h) on time; by the whole batch's it is 3 h and she is late.
+    output, result = run_timed(spark, job, 1, [("ann", 3), ("eve", 1.75), ("hal", 2.5),
                                                ("cid", None)], T0)
     assert ([("ann", 1), ("hal", 1)], 4, T0 + dt.timedelta(hours=3), [0, 1]) == (
         output, result.input_rows, result.newest, [r.operator_index for r in result.ranges])
@@ -340,25 +342,32 @@ def test_a_batch_with_no_event_time_keeps_the_clock(spark, job):
     run_timed(spark, job, 0, [("ann", 5)], None)
     output, result = run_timed(spark, job, 1, [("ann", None), ("bob", None)], T0 + dt.timedelta(
         hours=5))
-    assert ([], None, 2) == (output, result.newest, result.input_rows)
+    assert ([], None, 2, []) == (output, result.newest, result.input_rows, result.ranges)
 
 
 def test_the_event_time_clock_costs_no_spark_job_of_its_own(spark, tmp_path):
     """A batch of a stage with an event-time clock runs as many Spark jobs as the same batch
-    of a stage without one: the clock travels with the routed rows."""
-    jobs = []
+    of a stage without one, through the driver the runner uses: the clock travels with the
+    routed rows, and the driver's state holds the batch's newest event time."""
+    jobs, clocks = [], []
     for name, stage in (("plain", replace(TIMED_STAGE, ttl=None, event_time=None)),
                         ("timed", TIMED_STAGE)):
         job = Job(tmp_path / name, 2)
-        task = replace(job.task(0), stage=stage, now=T0)
+        driver = KeyedStageDriver(spark, job.storage, str(job.job_id), MAX_PARALLELISM, 2,
+                                  MaterialisationPolicy(), str(job.local_dir))
+        location = job.access.initialize_location_for_checkpoint(1)
         frame = timed_frame(spark, [("ann", 0), ("bob", 1)])
         spark.sparkContext.setJobGroup(name, name)
         try:
-            apply_keyed_batch(frame, task).release()
+            state, result = driver.apply(driver.empty(stage), frame, 1,
+                                         location.location_reference, 0)
+            result.release()
         finally:
-            spark.sparkContext.setJobGroup("", "")
+            spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
         jobs.append(len(spark.sparkContext.statusTracker().getJobIdsForGroup(name)))
-    assert jobs[0] == jobs[1] > 0
+        clocks.append(state.clock)
+    assert (jobs[0], [None, T0 + dt.timedelta(hours=1)]) == (jobs[1], clocks)
+    assert jobs[0] > 0
 
 
 def test_an_event_time_column_that_is_not_a_timestamp_is_refused(spark, job):
@@ -368,3 +377,21 @@ def test_an_event_time_column_that_is_not_a_timestamp_is_refused(spark, job):
         apply_keyed_batch(frame, replace(job.task(0), stage=TIMED_STAGE, now=T0))
     assert ("keyed stage timed", "'ts'", "TIMESTAMP") == tuple(
         s for s in ("keyed stage timed", "'ts'", "TIMESTAMP") if s in str(refused.value))
+
+
+def test_a_late_row_without_a_key_is_dropped_and_an_on_time_one_refused(spark, job):
+    """A row without a key that the clock makes late is dropped like any late row; one on
+    time fails the batch, saying keys must not be null."""
+    run_timed(spark, job, 0, [("ann", 3)], None)
+    output, _ = run_timed(spark, job, 1, [(None, 0), ("ann", 3.5)], T0 + dt.timedelta(hours=3))
+    with pytest.raises(Exception) as refused:
+        run_timed(spark, job, 2, [(None, 3.5)], T0 + dt.timedelta(hours=3.5))
+    assert ([("ann", 2)], True) == (output, "must not be null" in str(refused.value))
+
+
+def test_input_columns_that_route_rows_are_refused(spark, job):
+    """An input column named like a routing column is refused, naming it."""
+    frame = spark.createDataFrame([("ann", 1)], "user string, _rows long")
+    with pytest.raises(ValueError) as refused:
+        apply_keyed_batch(frame, job.task(0))
+    assert "'_rows'" in str(refused.value)

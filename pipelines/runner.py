@@ -53,7 +53,12 @@ from checkpoint_storage import (
     url_to_fs,
 )
 from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
-from pipelines.keyed import KeyedStage, KeyedStageDriver, KeyedStageState
+from pipelines.keyed import (
+    DEFAULT_LOCAL_STORE_MAX_AGE,
+    KeyedStage,
+    KeyedStageDriver,
+    KeyedStageState,
+)
 from pipelines.state_io import (
     HANDLE_ROW_SCHEMA,
     HANDLE_ROW_TYPE,
@@ -256,7 +261,9 @@ class StatefulRunner:
     Keyed stages run on the pipeline's ``keyed_parallelism`` key group ranges (default:
     Spark's default parallelism, at most ``max_parallelism``); state restored at another
     parallelism is rescaled first. Their local stores live below ``keyed_local_dir`` on each
-    executor (default: its temp directory).
+    executor (default: its temp directory); a batch's task removes the stores there (any
+    job's) not written for ``keyed_local_max_age`` (default 7 days; None: never), caches a
+    later batch would rebuild from the checkpoint.
 
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
@@ -275,6 +282,7 @@ class StatefulRunner:
         lease_ttl: dt.timedelta = DEFAULT_LEASE_TTL,
         lease_wait: float | None = None,
         keyed_local_dir: str | None = None,
+        keyed_local_max_age: dt.timedelta | None = DEFAULT_LOCAL_STORE_MAX_AGE,
     ) -> None:
         self.spark = spark
         self.storage = storage
@@ -302,7 +310,7 @@ class StatefulRunner:
             self._keyed = KeyedStageDriver(
                 spark, storage, str(self.job_id), pipeline.max_parallelism,
                 pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir,
-                task_after_write)
+                task_after_write, keyed_local_max_age)
         # The index of the keyed stage that is the source's only reader, if one is: it reads
         # and counts each batch in its one pass, so the batch is not pinned first.
         readers = [n for n in range(len(self.stages)) if pipeline.input_of(n) == SOURCE]

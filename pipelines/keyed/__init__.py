@@ -39,6 +39,7 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._spark import (
+    DEFAULT_LOCAL_STORE_MAX_AGE,
     OPERATOR_INDEX,
     ChainRef,
     KeyedBatch,
@@ -52,6 +53,7 @@ from pipelines.keyed._spark import (
     materialise_keyed_state,
     ranges_to_materialise,
     read_keyed_state,
+    sweep_idle_stores,
 )
 from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
 from pipelines.keyed._store import (
@@ -63,6 +65,7 @@ from pipelines.keyed._store import (
 
 __all__ = [
     "CHAIN_FORMAT",
+    "DEFAULT_LOCAL_STORE_MAX_AGE",
     "DEFAULT_MAX_PARALLELISM",
     "KEYED_STATE_PREFIX",
     "KEY_GROUP",
@@ -108,6 +111,7 @@ __all__ = [
     "rebuild_store",
     "remove_store",
     "replay_chains",
+    "sweep_idle_stores",
     "write_change_file",
     "write_materialisation",
 ]

@@ -38,6 +38,7 @@ from pipelines.keyed._key_groups import compute_key_group_range_for_operator_ind
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._spark import (
     _EPOCH,
+    DEFAULT_LOCAL_STORE_MAX_AGE,
     KeyedBatch,
     KeyedRangeResult,
     KeyedStageTask,
@@ -103,11 +104,13 @@ class KeyedStageDriver:
     """Runs a pipeline's keyed stages for one runner: ``parallelism`` ranges per stage (None:
     Spark's default parallelism; a restore at another parallelism is rescaled by
     materialising the new ranges), ``policy`` for periodic materialisation, local stores
-    below ``local_dir`` on each executor (None: its temp directory)."""
+    below ``local_dir`` on each executor (None: its temp directory), removed there once not
+    written for ``local_max_age`` (None: never)."""
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
                  max_parallelism: int, parallelism: int | None, policy: MaterialisationPolicy,
-                 local_dir: str | None = None, after_write=None) -> None:
+                 local_dir: str | None = None, after_write=None,
+                 local_max_age: dt.timedelta | None = DEFAULT_LOCAL_STORE_MAX_AGE) -> None:
         self.spark = spark
         self.storage = storage
         self.job_id = job_id
@@ -115,6 +118,7 @@ class KeyedStageDriver:
         self._parallelism = parallelism
         self.policy = policy
         self.local_dir = local_dir
+        self.local_max_age = local_max_age
         self.after_write = after_write  # test seam: KeyedStageTask.after_write
 
     @property
@@ -186,7 +190,7 @@ class KeyedStageDriver:
             self.storage, self.job_id, checkpoint_id, reference, state.stage,
             state.stage.output_schema, self.max_parallelism,
             parallelism or state.parallelism, state.chains, batch, now, state.clock,
-            self.local_dir, self.after_write)
+            self.local_dir, self.local_max_age, self.after_write)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

@@ -15,9 +15,11 @@ location reference, the stage (its function pickled by cloudpickle, as Spark doe
 chains as ``StateHandleRef`` values.
 """
 
+import contextlib
 import datetime as dt
 import fcntl
 import hashlib
+import os
 import re
 import tempfile
 import time
@@ -74,6 +76,8 @@ __all__ = [
     "materialise_keyed_state",
     "ranges_to_materialise",
     "read_keyed_state",
+    "DEFAULT_LOCAL_STORE_MAX_AGE",
+    "sweep_idle_stores",
     "sweep_other_ranges",
 ]
 
@@ -182,7 +186,9 @@ class KeyedStageTask:
     batch's newest event time. ``clock``: a stage with ``event_time``: the newest event time
     seen before this batch (None: none yet); input rows behind the clock, advanced by the
     batch, minus the ``ttl`` are dropped. ``local_dir``: the base directory of the
-    local stores on each executor (None: the executor's temp directory). ``after_write``: a
+    local stores on each executor (None: the executor's temp directory). ``local_max_age``:
+    a batch's task removes the local stores below that directory (any job's) not written
+    for this long (``sweep_idle_stores``; None: never). ``after_write``: a
     test seam, ``after_write(operator_index, attempt)`` runs on the executor once a range's
     change file or snapshot is written and its local store updated, before the result
     reaches the driver (the runner's ``task_after_write``)."""
@@ -200,6 +206,7 @@ class KeyedStageTask:
     now: dt.datetime | None = None
     clock: dt.datetime | None = None
     local_dir: str | None = None
+    local_max_age: dt.timedelta | None = None
     after_write: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
 
@@ -243,10 +250,14 @@ class KeyedStageTask:
             key_groups))]
 
 
+def _local_root(task: KeyedStageTask) -> Path:
+    """The directory holding every job's local stores on an executor."""
+    return Path(task.local_dir or tempfile.gettempdir()) / "pipelines-keyed"
+
+
 def local_store_directory(task: KeyedStageTask, key_groups: KeyGroupRange) -> Path:
     """Where an executor keeps the local store of one range: per job, stage and range."""
-    base = Path(task.local_dir or tempfile.gettempdir())
-    return (base / "pipelines-keyed" / task.job_id / task.stage.name
+    return (_local_root(task) / task.job_id / task.stage.name
             / f"m{task.max_parallelism}-kg{key_groups.start}-{key_groups.end}")
 
 
@@ -279,6 +290,26 @@ class _Locked:
 _STORE_DIRECTORY = re.compile(r"m\d+-kg\d+-\d+")
 
 
+DEFAULT_LOCAL_STORE_MAX_AGE = dt.timedelta(days=7)
+"""How long a local store may go unwritten before a batch's task on its executor removes it."""
+_SWEEP_MARKER = ".last-sweep"
+_SWEEP_EVERY = dt.timedelta(hours=1)
+
+
+def _remove_unheld(store: Path) -> bool:
+    """Remove a local store no task holds (its lock free) and its lock file; False if it is
+    held or is not a store."""
+    with _Locked(store, blocking=False) as locked:
+        if not locked.held:
+            return False
+        try:
+            remove_store(store)
+        except LocalStoreError:
+            return False
+        store.with_name(store.name + ".lock").unlink(missing_ok=True)
+        return True
+
+
 def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
     """Remove this stage's local stores on this executor that belong to no range of the task's
     parallelism (an earlier parallelism's, after rescaling): caches no batch will ship a chain
@@ -287,23 +318,56 @@ def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
     wanted = {local_store_directory(task, task.key_groups(i)).name
               for i in range(task.parallelism)}
     parent = local_store_directory(task, task.key_groups(0)).parent
-    removed = []
     try:
         entries = list(parent.iterdir())
     except FileNotFoundError:
-        return removed
-    for entry in entries:
-        if entry.name in wanted or not _STORE_DIRECTORY.fullmatch(entry.name):
+        return []
+    return [entry for entry in entries
+            if entry.name not in wanted and _STORE_DIRECTORY.fullmatch(entry.name)
+            and _remove_unheld(entry)]
+
+
+def _last_written(store: Path) -> float:
+    """The newest modification time of a store's directory and files (its manifest is
+    rewritten by every batch)."""
+    times = [store.stat().st_mtime]
+    times += [entry.stat().st_mtime for entry in store.iterdir()]
+    return max(times)
+
+
+def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = None,
+                      now: float | None = None) -> list[Path]:
+    """Remove the local stores below ``root`` (``<root>/<job>/<stage>/<range>``, any job's)
+    not written for ``max_age``: caches of finished jobs, or of ranges now run elsewhere,
+    which a batch that needs one again rebuilds from its chain. Runs at most once an hour
+    per ``root`` (a marker file's time). ``keep`` (the calling task's store), a store
+    another task holds and anything that is not a store are left alone; emptied job and
+    stage directories go too. Returns the stores removed."""
+    now = time.time() if now is None else now
+    marker = root / _SWEEP_MARKER
+    try:
+        if now - marker.stat().st_mtime < _SWEEP_EVERY.total_seconds():
+            return []
+    except FileNotFoundError:
+        pass
+    root.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    os.utime(marker, (now, now))
+    removed = []
+    for store in sorted(root.glob("*/*/*")):
+        if (store == keep or not store.is_dir()
+                or not _STORE_DIRECTORY.fullmatch(store.name)):
             continue
-        with _Locked(entry, blocking=False) as locked:
-            if not locked.held:
-                continue
-            try:
-                remove_store(entry)
-            except LocalStoreError:
-                continue
-            entry.with_name(entry.name + ".lock").unlink(missing_ok=True)
-            removed.append(entry)
+        try:
+            idle = now - _last_written(store) > max_age.total_seconds()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if idle and _remove_unheld(store):
+            removed.append(store)
+    for directory in sorted({p.parent for p in removed} | {p.parent.parent for p in removed},
+                            key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if empty
     return removed
 
 
@@ -509,6 +573,8 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
     directory = local_store_directory(task, key_groups)
     cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
     sweep_other_ranges(task)
+    if task.local_max_age is not None:
+        sweep_idle_stores(_local_root(task), task.local_max_age, keep=directory)
     with _Locked(directory):
         store = _open_current(task, key_groups, directory, stats)
         try:

@@ -2,8 +2,10 @@
 keyed stage, checked against a dict recomputation across checkpoints, restarts, rescaling,
 savepoints, NO_CLAIM restores and retention."""
 
+import os
 import random
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,3 +291,20 @@ def test_file_merging_enabled_on_the_storage_is_reported_not_ignored(spark, tmp_
     warned = [r.getMessage() for r in caplog.records if "file merging" in r.getMessage()]
     assert (1, True, expected(["p1"])) == (
         len(warned), "keyed_totals" in "".join(warned), state_of(runner))
+
+
+def test_a_batch_sweeps_idle_local_stores_of_other_jobs(spark, tmp_path):
+    """A run's batches remove another job's local store left idle for longer than the
+    maximum age on the executor, and keep their own; the state equals a recomputation."""
+    idle = tmp_path / "local" / "pipelines-keyed" / "finished-job" / "totals" / "m16-kg0-15"
+    idle.mkdir(parents=True)
+    for name in ("MANIFEST.json", "segment.arrow"):
+        (idle / name).write_text("{}")
+    month_ago = time.time() - 30 * 86_400
+    for path in (idle / "MANIFEST.json", idle / "segment.arrow", idle):
+        os.utime(path, (month_ago, month_ago))
+    runner = runner_of(spark, tmp_path)
+    runner.run(["p1"])
+    own = tmp_path / "local" / "pipelines-keyed" / str(runner.job_id)
+    assert (False, True, expected(["p1"])) == (
+        idle.parent.parent.exists(), any(own.rglob("MANIFEST.json")), state_of(runner))

@@ -3,6 +3,7 @@ from the chains, retried attempts, rescaling and materialisation, each checked a
 plain dict recomputation of a per-user count."""
 
 import datetime as dt
+import os
 import shutil
 import sys
 from collections import Counter
@@ -33,7 +34,9 @@ from pipelines.keyed import (
     materialise_keyed_state,
     ranges_to_materialise,
     replay_chains,
+    sweep_idle_stores,
 )
+from pipelines.keyed._spark import _Locked
 
 MAX_PARALLELISM = 8
 STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
@@ -395,3 +398,33 @@ def test_input_columns_that_route_rows_are_refused(spark, job):
     with pytest.raises(ValueError) as refused:
         apply_keyed_batch(frame, job.task(0))
     assert "'_rows'" in str(refused.value)
+
+
+def make_store(path: Path, written: float) -> Path:
+    """A local store directory (a manifest and a segment) last written at ``written``."""
+    path.mkdir(parents=True)
+    for name in ("MANIFEST.json", "segment.arrow"):
+        (path / name).write_text("x")
+        os.utime(path / name, (written, written))
+    os.utime(path, (written, written))
+    return path
+
+
+def test_idle_local_stores_of_any_job_are_swept_at_most_hourly(tmp_path):
+    """Stores not written for the maximum age go, whichever job's; fresh ones, the caller's
+    own, ones another task holds and non-stores stay, emptied job directories go; a second
+    sweep within the hour does nothing."""
+    now, day = 1_800_000_000.0, 86_400
+    root = tmp_path / "pipelines-keyed"
+    old = make_store(root / "job-a" / "clicks" / "m8-kg0-3", now - 8 * day)
+    fresh = make_store(root / "job-b" / "clicks" / "m8-kg0-3", now - 1 * day)
+    own = make_store(root / "job-b" / "clicks" / "m8-kg4-7", now - 9 * day)
+    held = make_store(root / "job-c" / "dedupe" / "m8-kg0-7", now - 9 * day)
+    stranger = make_store(root / "job-d" / "clicks" / "notes", now - 30 * day)
+    with _Locked(held):
+        first = sweep_idle_stores(root, dt.timedelta(days=7), keep=own, now=now)
+    later = make_store(root / "job-e" / "clicks" / "m8-kg0-7", now - 8 * day)
+    second = sweep_idle_stores(root, dt.timedelta(days=7), now=now + 1800)
+    assert ([old], [], [fresh, own, held, stranger, later], False) == (
+        first, second, [p for p in (fresh, own, held, stranger, later) if p.exists()],
+        (root / "job-a").exists())

@@ -19,6 +19,7 @@ import contextlib
 import datetime as dt
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import tempfile
@@ -80,6 +81,8 @@ __all__ = [
     "sweep_idle_stores",
     "sweep_other_ranges",
 ]
+
+logger = logging.getLogger(__name__)
 
 OPERATOR_INDEX = "_operator_index"
 """The column ``apply_keyed_batch`` adds to route rows: the task (range) that owns each key."""
@@ -265,26 +268,50 @@ def local_store_directory(task: KeyedStageTask, key_groups: KeyGroupRange) -> Pa
 
 class _Locked:
     """An exclusive lock on a range's store directory, so two tasks of one executor (e.g. a
-    speculative attempt) never write the same store at once."""
+    speculative attempt) never write the same store at once. A sweep unlinks the lock file
+    of a store it removes, so a lock taken on a file that is no longer at its path (a waiter
+    got it after the unlink) is dropped and taken again on the path's file."""
 
     def __init__(self, directory: Path, *, blocking: bool = True) -> None:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(directory.with_name(directory.name + ".lock"), "w")  # noqa: SIM115
+        self._path = directory.with_name(directory.name + ".lock")
         self._blocking = blocking
+        self._file = None
         self.held = False
 
+    def _open(self):
+        for _ in range(100):
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                return open(self._path, "a")  # noqa: SIM115
+            except FileNotFoundError:
+                continue  # a sweep removed the emptied parent meanwhile: make it again
+        raise LocalStoreError(f"cannot create the lock file {self._path}: its directory keeps "
+                              "vanishing; is something else cleaning the local store directory?")
+
     def __enter__(self):
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | (0 if self._blocking else fcntl.LOCK_NB))
-            self.held = True
-        except BlockingIOError:
-            pass
-        return self
+        while True:
+            file = self._open()
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | (0 if self._blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                file.close()
+                return self
+            try:
+                current = os.stat(self._path)
+                same = (current.st_ino, current.st_dev) == (os.fstat(file.fileno()).st_ino,
+                                                            os.fstat(file.fileno()).st_dev)
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._file, self.held = file, True
+                return self
+            file.close()  # a lock on an unlinked file excludes no one: take the new one
 
     def __exit__(self, *exc) -> None:
-        if self.held:
+        if self._file is not None:
             fcntl.flock(self._file, fcntl.LOCK_UN)
-        self._file.close()
+            self._file.close()
+            self._file, self.held = None, False
 
 
 _STORE_DIRECTORY = re.compile(r"m\d+-kg\d+-\d+")
@@ -296,11 +323,12 @@ _SWEEP_MARKER = ".last-sweep"
 _SWEEP_EVERY = dt.timedelta(hours=1)
 
 
-def _remove_unheld(store: Path) -> bool:
-    """Remove a local store no task holds (its lock free) and its lock file; False if it is
-    held or is not a store."""
+def _remove_unheld(store: Path, still: Callable[[], bool] = lambda: True) -> bool:
+    """Remove a local store no task holds (its lock free) and for which ``still()`` holds
+    once its lock is taken, and its lock file; False if it is held, not a store, or no
+    longer to be removed."""
     with _Locked(store, blocking=False) as locked:
-        if not locked.held:
+        if not locked.held or not still():
             return False
         try:
             remove_store(store)
@@ -322,9 +350,16 @@ def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
         entries = list(parent.iterdir())
     except FileNotFoundError:
         return []
-    return [entry for entry in entries
-            if entry.name not in wanted and _STORE_DIRECTORY.fullmatch(entry.name)
-            and _remove_unheld(entry)]
+    removed = []
+    for entry in entries:
+        if entry.name in wanted or not _STORE_DIRECTORY.fullmatch(entry.name):
+            continue
+        try:
+            if _remove_unheld(entry):
+                removed.append(entry)
+        except (OSError, LocalStoreError) as exc:
+            logger.warning("local keyed-state store %s not swept: %s", entry, exc)
+    return removed
 
 
 def _last_written(store: Path) -> float:
@@ -342,32 +377,46 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     which a batch that needs one again rebuilds from its chain. Runs at most once an hour
     per ``root`` (a marker file's time). ``keep`` (the calling task's store), a store
     another task holds and anything that is not a store are left alone; emptied job and
-    stage directories go too. Returns the stores removed."""
+    stage directories go too. Housekeeping: an I/O error skips what it hit (logged), never
+    fails the caller. Returns the stores removed."""
     now = time.time() if now is None else now
     marker = root / _SWEEP_MARKER
     try:
-        if now - marker.stat().st_mtime < _SWEEP_EVERY.total_seconds():
+        if 0 <= now - marker.stat().st_mtime < _SWEEP_EVERY.total_seconds():
             return []
     except FileNotFoundError:
         pass
-    root.mkdir(parents=True, exist_ok=True)
-    marker.touch()
-    os.utime(marker, (now, now))
+    except OSError as exc:
+        logger.warning("local keyed-state stores below %s not swept: %s", root, exc)
+        return []
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        os.utime(marker, (now, now))
+    except OSError as exc:
+        logger.warning("local keyed-state stores below %s not swept: %s", root, exc)
+        return []
+
+    def idle(store: Path) -> bool:
+        try:
+            return now - _last_written(store) > max_age.total_seconds()
+        except FileNotFoundError:
+            return False  # removed meanwhile
+
     removed = []
     for store in sorted(root.glob("*/*/*")):
-        if (store == keep or not store.is_dir()
-                or not _STORE_DIRECTORY.fullmatch(store.name)):
+        if store == keep or not _STORE_DIRECTORY.fullmatch(store.name):
             continue
         try:
-            idle = now - _last_written(store) > max_age.total_seconds()
-        except FileNotFoundError:
-            continue  # removed meanwhile
-        if idle and _remove_unheld(store):
-            removed.append(store)
+            # Checked again under the store's lock: a task may have written it meanwhile.
+            if store.is_dir() and idle(store) and _remove_unheld(store, lambda s=store: idle(s)):
+                removed.append(store)
+        except (OSError, LocalStoreError) as exc:
+            logger.warning("local keyed-state store %s not swept: %s", store, exc)
     for directory in sorted({p.parent for p in removed} | {p.parent.parent for p in removed},
                             key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):
-            directory.rmdir()  # only if empty
+            directory.rmdir()  # only if empty; a task recreates it if it needs it
     return removed
 
 

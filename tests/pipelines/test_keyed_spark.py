@@ -6,6 +6,8 @@ import datetime as dt
 import os
 import shutil
 import sys
+import threading
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -425,6 +427,34 @@ def test_idle_local_stores_of_any_job_are_swept_at_most_hourly(tmp_path):
         first = sweep_idle_stores(root, dt.timedelta(days=7), keep=own, now=now)
     later = make_store(root / "job-e" / "clicks" / "m8-kg0-7", now - 8 * day)
     second = sweep_idle_stores(root, dt.timedelta(days=7), now=now + 1800)
-    assert ([old], [], [fresh, own, held, stranger, later], False) == (
-        first, second, [p for p in (fresh, own, held, stranger, later) if p.exists()],
-        (root / "job-a").exists())
+    remaining = [p for p in (fresh, own, held, stranger, later) if p.exists()]
+    third = sweep_idle_stores(root, dt.timedelta(days=7), now=now + 3700)
+    assert ([old], [], [fresh, own, held, stranger, later], False, [own, held, later]) == (
+        first, second, remaining, (root / "job-a").exists(), third)
+
+
+@pytest.mark.timeout(60)
+def test_a_lock_taken_on_a_swept_lock_file_is_taken_again(tmp_path):
+    """A task that waited for a store's lock while a sweep removed the store and unlinked its
+    lock file ends up holding the lock at the path: a third task cannot take it."""
+    store = make_store(tmp_path / "job" / "clicks" / "m8-kg0-7", time.time())
+    sweeper = _Locked(store).__enter__()
+    got, release = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        with _Locked(store):
+            got.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)  # the waiter opened the old lock file and waits in flock
+    shutil.rmtree(store)
+    store.with_name(store.name + ".lock").unlink()
+    sweeper.__exit__(None, None, None)
+    got.wait(30)
+    with _Locked(store, blocking=False) as third:
+        taken = third.held
+    release.set()
+    thread.join(30)
+    assert (True, False) == (got.is_set(), taken)

@@ -273,19 +273,19 @@ class _Locked:
     got it after the unlink) is dropped and taken again on the path's file."""
 
     def __init__(self, directory: Path, *, blocking: bool = True) -> None:
-        self._path = directory.with_name(directory.name + ".lock")
+        self.path = directory.with_name(directory.name + ".lock")
         self._blocking = blocking
         self._file = None
         self.held = False
 
     def _open(self):
         for _ in range(100):
-            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                return open(self._path, "a")  # noqa: SIM115
+                return open(self.path, "a")  # noqa: SIM115
             except FileNotFoundError:
                 continue  # a sweep removed the emptied parent meanwhile: make it again
-        raise LocalStoreError(f"cannot create the lock file {self._path}: its directory keeps "
+        raise LocalStoreError(f"cannot create the lock file {self.path}: its directory keeps "
                               "vanishing; is something else cleaning the local store directory?")
 
     def __enter__(self):
@@ -296,10 +296,10 @@ class _Locked:
             except BlockingIOError:
                 file.close()
                 return self
+            locked = os.fstat(file.fileno())
             try:
-                current = os.stat(self._path)
-                same = (current.st_ino, current.st_dev) == (os.fstat(file.fileno()).st_ino,
-                                                            os.fstat(file.fileno()).st_dev)
+                current = os.stat(self.path)
+                same = (current.st_ino, current.st_dev) == (locked.st_ino, locked.st_dev)
             except FileNotFoundError:
                 same = False
             if same:
@@ -334,7 +334,7 @@ def _remove_unheld(store: Path, still: Callable[[], bool] = lambda: True) -> boo
             remove_store(store)
         except LocalStoreError:
             return False
-        store.with_name(store.name + ".lock").unlink(missing_ok=True)
+        locked.path.unlink(missing_ok=True)
         return True
 
 
@@ -382,14 +382,9 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     now = time.time() if now is None else now
     marker = root / _SWEEP_MARKER
     try:
-        if 0 <= now - marker.stat().st_mtime < _SWEEP_EVERY.total_seconds():
-            return []
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("local keyed-state stores below %s not swept: %s", root, exc)
-        return []
-    try:
+        with contextlib.suppress(FileNotFoundError):
+            if 0 <= now - marker.stat().st_mtime < _SWEEP_EVERY.total_seconds():
+                return []
         root.mkdir(parents=True, exist_ok=True)
         marker.touch()
         os.utime(marker, (now, now))
@@ -538,24 +533,22 @@ def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.S
 
 
 def _operator_indices_of(task: KeyedStageTask, table: pa.Table) -> np.ndarray:
-    """Each row's range (Flink's compute_operator_index_for_key_group, vectorised). A stage
-    that drops late rows sends a row without a key to range 0 instead of failing here: the
-    row may be late, and only the range's task knows the batch's clock."""
+    """Each row's range (Flink's compute_operator_index_for_key_group, vectorised). A row
+    without a key goes to range 0, which refuses it unless it is late: only the range's task
+    knows the batch's clock."""
     key = task.stage.key
     valid = None
-    if task.stage.event_time is not None and task.stage.ttl is not None:
-        for name in key:
+    for name in key:
+        if table.column(name).null_count:
             column = pc.is_valid(table.column(name))
             valid = column if valid is None else pc.and_(valid, column)
-        valid = valid.to_numpy(zero_copy_only=False)
-    keyed = table if valid is None or valid.all() else table.filter(pa.array(valid))
-    groups = hash_keys(keyed, key) % task.max_parallelism
-    indices = groups.astype("int64") * task.parallelism // task.max_parallelism
-    if keyed is table:
-        return indices
-    everyone = np.zeros(table.num_rows, np.int64)
-    everyone[valid] = indices
-    return everyone
+    if valid is None:
+        groups = hash_keys(table, key) % task.max_parallelism
+        return groups.astype("int64") * task.parallelism // task.max_parallelism
+    valid = valid.to_numpy(zero_copy_only=False)
+    indices = np.zeros(table.num_rows, np.int64)
+    indices[valid] = _operator_indices_of(task, table.filter(pa.array(valid)))
+    return indices
 
 
 def _micros(times: pa.Array) -> pa.Array:

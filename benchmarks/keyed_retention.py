@@ -5,7 +5,9 @@ checkpoints reference.
 Usage::
 
     .venv/bin/python benchmarks/keyed_retention.py [--batches 1000] [--retained 3]
-        [--partitions 1] [--work-dir DIR] [--progress 50]
+        [--partitions 1] [--work-dir DIR] [--progress 50] [--file-merging]
+    .venv/bin/python benchmarks/keyed_retention.py --compare-merging [--batches 200]
+        [--repeats 2]
 
 The pipeline is test_keyed_runner's per-customer totals (a keyed stage, 16 key groups on 2
 ranges, local[2]), materialising a range after every 3 change files, over ``--batches``
@@ -19,9 +21,18 @@ and discarded the whole time. At the end (after the registry's pending deletions
 
 Prints one line per check and ``retention: ok`` or ``retention: FAILED``; exits 1 on failure.
 ``tests/pipelines/test_keyed_faults.py`` runs ``check`` with a few batches.
+
+``--file-merging``: the storage merges files across checkpoints (a range's change files are
+segments appended to one physical file per chain). ``--compare-merging``: the same batches
+with merging off (what a user has without it) and on, interleaved, ``--repeats`` times each,
+with the default materialisation policy (a chain lasts until its changes outgrow 1 MiB):
+prints the state files each created (every file seen in ``shared/`` after a batch), the wall
+time per batch, the ratios and ``targets: N/M met`` (at least 10x fewer files; batch wall at
+most 1.1x), and each run's retention check. A short run of each mode warms up first.
 """
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -46,6 +57,7 @@ class RetentionReport:
     other_entries: list[str]
     state_ok: bool
     max_retained: int
+    files_created: int = 0
 
     @property
     def ok(self) -> bool:
@@ -63,16 +75,17 @@ class RetentionReport:
             f"{self.referenced}, unreferenced: {len(self.unreferenced)}, "
             f"missing: {len(self.missing)}",
             f"other entries in the job directory: {self.other_entries}",
+            f"state files created: {self.files_created}",
             f"state equals a recomputation: {self.state_ok}",
             f"retention: {'ok' if self.ok else 'FAILED'}",
         ]
 
 
 def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: int = 1,
-          progress=None) -> RetentionReport:
+          progress=None, file_merging: bool = False, materialisation=None) -> RetentionReport:
     """Run the keyed totals pipeline over ``batches`` batches (checkpoint every batch,
-    ``max_retained`` retained) in ``work``, then compare the job directory with the retained
-    checkpoints."""
+    ``max_retained`` retained; ``materialisation``: default every 3 change files) in
+    ``work``, then compare the job directory with the retained checkpoints."""
     import dagster as dg
 
     from checkpoint_storage import FileSystemCheckpointStorage
@@ -96,18 +109,27 @@ def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: in
         checkpoint_interval=1,
         max_retained_checkpoints=max_retained,
         max_parallelism=16,
-        materialisation=MaterialisationPolicy(every=3, min_bytes=0),
+        materialisation=materialisation or MaterialisationPolicy(every=3, min_bytes=0),
         keyed_parallelism=2,
     )
-    storage = FileSystemCheckpointStorage(str(work / "checkpoints"),
-                                          file_state_size_threshold=0)
+    storage = FileSystemCheckpointStorage(
+        str(work / "checkpoints"), file_state_size_threshold=0,
+        file_merging_enabled=file_merging, file_merging_across_checkpoint_boundary=file_merging)
     runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(work / "local"))
+    job = work / "checkpoints" / str(runner.job_id)
+    seen: set[str] = set()
+
+    def on_progress(line: str) -> None:
+        if (job / "shared").exists():
+            seen.update(str(p) for p in (job / "shared").rglob("*") if p.is_file())
+        if progress is not None:
+            progress(line)
+
     started = time.monotonic()
-    runner.run(names, on_progress=progress)
+    runner.run(names, on_progress=on_progress)
     seconds = time.monotonic() - started
     runner.store.shared_state_registry.wait_for_pending_deletions()
 
-    job = work / "checkpoints" / str(runner.job_id)
     retained = [c.checkpoint_id for c in runner.store.all()]
     chk_dirs = sorted(int(p.name[4:]) for p in job.iterdir() if p.name.startswith("chk-"))
     referenced = {h.path for c in runner.store.all() for h in c.metadata.all_handles()
@@ -128,7 +150,7 @@ def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: in
     return RetentionReport(
         per_partition * partitions, seconds, retained, chk_dirs, len(shared), len(referenced),
         sorted(shared - referenced), sorted(referenced - shared), other,
-        len(rows) == len(state) and state == model, max_retained)
+        len(rows) == len(state) and state == model, max_retained, len(seen | shared))
 
 
 def main() -> None:
@@ -138,6 +160,9 @@ def main() -> None:
     parser.add_argument("--partitions", type=int, default=1)
     parser.add_argument("--work-dir")
     parser.add_argument("--progress", type=int, default=50, help="a line every N batches")
+    parser.add_argument("--file-merging", action="store_true")
+    parser.add_argument("--compare-merging", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
     from pyspark import cloudpickle
@@ -157,15 +182,62 @@ def main() -> None:
             if done % args.progress == 0:
                 print(f"  {line} ({time.monotonic() - started:.0f} s)", flush=True)
 
+    if args.compare_merging:
+        ok = compare_merging(spark, args)
+        spark.stop()
+        sys.exit(0 if ok else 1)
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         report = check(spark, Path(work), args.batches, args.retained, args.partitions,
-                       progress)
+                       progress, args.file_merging)
     spark.stop()
     for line in report.lines():
         print(line)
     for path in report.unreferenced[:5] + report.missing[:5]:
         print(f"  {path}")
     sys.exit(0 if report.ok else 1)
+
+
+def compare_merging(spark, args) -> bool:
+    """Merging off and on, interleaved; prints files, batch wall, ratios and targets."""
+    from pipelines import MaterialisationPolicy
+
+    print(f"load average at start: {os.getloadavg()}", flush=True)
+    reports: dict[bool, list[RetentionReport]] = {False: [], True: []}
+    for merging in (False, True):  # warm-up, not measured: the JVM, the Python workers
+        with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+            check(spark, Path(work), 5, args.retained, 1, None, merging)
+    for repeat in range(args.repeats):
+        for merging in (False, True):
+            with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
+                report = check(spark, Path(work), args.batches, args.retained,
+                               args.partitions, None, merging, MaterialisationPolicy())
+            reports[merging].append(report)
+            print(f"run {repeat + 1} merging {'on' if merging else 'off'}: "
+                  f"{report.seconds / report.batches:.3f} s/batch, "
+                  f"{report.files_created} state files, retention "
+                  f"{'ok' if report.ok else 'FAILED'}", flush=True)
+    off, on = reports[False], reports[True]
+    files_off = min(r.files_created for r in off)
+    files_on = max(r.files_created for r in on)
+    wall_off = min(r.seconds / r.batches for r in off)
+    wall_on = min(r.seconds / r.batches for r in on)
+    rows = [
+        ("state files created", files_on / files_off, 0.1),
+        ("batch wall (best)", wall_on / wall_off, 1.1),
+    ]
+    print(f"state files created over {args.batches} batches: off {files_off}, on {files_on}")
+    print(f"batch wall (best of {args.repeats}): off {wall_off:.3f} s, on {wall_on:.3f} s")
+    met = 0
+    for name, ratio, target in rows:
+        ok = ratio <= target
+        met += ok
+        print(f"{name}: merging on {ratio:.2f}x off (target <= {target}x): "
+              f"{'ok' if ok else 'MISSED'}")
+    retention_ok = all(r.ok for r in off + on)
+    print(f"retention and state, every run: {'ok' if retention_ok else 'FAILED'}")
+    print(f"load average at end: {os.getloadavg()}")
+    print(f"targets: {met}/{len(rows)} met")
+    return retention_ok
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ from checkpoint_storage._access import (
     CheckpointStorageWorkerView,
     resolve_checkpoint_pointer,
 )
+from checkpoint_storage._appending import (
+    APPENDED_FILE_PREFIX,
+    AppendingSegmentStreamFactory,
+    appends_in_place,
+    is_appended_segment,
+)
 from checkpoint_storage._file_merging import (
     FileMergingSnapshotManager,
     FileMergingType,
@@ -122,6 +128,7 @@ from checkpoint_storage.exceptions import (
 )
 
 __all__ = [
+    "APPENDED_FILE_PREFIX",
     "DEFAULT_FILE_STATE_THRESHOLD",
     "DEFAULT_LEASE_TTL",
     "DEFAULT_WRITE_BUFFER_SIZE",
@@ -129,6 +136,7 @@ __all__ = [
     "SOURCE_POSITION_STATE",
     "STATE_FORMAT_PREFIX",
     "STATE_SCHEMA_PREFIX",
+    "AppendingSegmentStreamFactory",
     "ByteStreamStateHandle",
     "CheckpointAlreadyExistsError",
     "CheckpointCommitFailedError",
@@ -195,6 +203,7 @@ __all__ = [
     "VerificationProblem",
     "VerificationReport",
     "abort_checkpoint",
+    "appends_in_place",
     "break_job_lease",
     "collect_garbage",
     "copy_savepoint",
@@ -203,6 +212,7 @@ __all__ = [
     "discard_checkpoint",
     "dispose_savepoint",
     "encode_path_as_reference",
+    "is_appended_segment",
     "format_age",
     "format_size",
     "latest_checkpoint",

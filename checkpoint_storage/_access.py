@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from fsspec import AbstractFileSystem
 
+from checkpoint_storage._appending import AppendingSegmentStreamFactory
 from checkpoint_storage._discovery import CheckpointDirectory, discover_checkpoint_directories
 from checkpoint_storage._file_merging import (
     FileMergingSnapshotManager,
@@ -124,6 +125,11 @@ class CheckpointStorageWorkerView(ABC):
 
     def to_file_merging_storage(self, manager, *args, **kwargs) -> "CheckpointStorageWorkerView":
         """The view that merges small files; this one, while file merging is off."""
+        return self
+
+    def to_appending_storage(self, subtask_key, previous) -> "CheckpointStorageWorkerView":
+        """The view whose SHARED-scope streams append to ``previous``'s physical file; this
+        one, while file merging across checkpoints is off or cannot be done."""
         return self
 
 
@@ -547,6 +553,61 @@ class FsCheckpointStorageAccess(_DirectoryBasedAccess):
         )
         manager.register_subtask_for_shared_states(subtask_key)
         return FsMergingCheckpointStorageAccess(self._storage, self.job_id, manager, subtask_key)
+
+    def to_appending_storage(
+        self, subtask_key: SubtaskKey, previous: StreamStateHandle | None
+    ) -> CheckpointStorageWorkerView:
+        """The access of ``subtask_key`` for a writer that lives one checkpoint (e.g. a Spark
+        task): its SHARED-scope streams append segments to the physical file of ``previous``
+        (the subtask's last segment, in the checkpoint it starts from or written since) or to
+        a new one in the subtask's managed directory (``AppendingSegmentStreamFactory``).
+        This access unless the storage enables file merging across checkpoint boundaries and
+        its filesystem appends in place (local disk): on object stores one file per stream."""
+        storage = self._storage
+        if not storage.resumes_physical_files:
+            return self
+        if subtask_key is None:
+            raise TypeError("subtask_key must not be None")
+        if subtask_key.job_id != self.job_id.hex:
+            raise ValueError(f"{subtask_key} is not a subtask of job {self.job_id.hex}")
+        return FsAppendingCheckpointStorageAccess(storage, self.job_id, subtask_key, previous)
+
+
+class FsAppendingCheckpointStorageAccess(FsCheckpointStorageAccess):
+    """A subtask's access whose checkpoint streams append to a resumed physical file;
+    savepoints never merge."""
+
+    def __init__(self, storage, job_id, subtask_key: SubtaskKey, previous) -> None:
+        super().__init__(storage, job_id)
+        self.subtask_key = subtask_key
+        self.previous = previous
+
+    def __reduce__(self):
+        raise TypeError(
+            "an appending access belongs to its writer: ship the storage and call "
+            "to_appending_storage() where the state is written"
+        )
+
+    def to_appending_storage(self, subtask_key, previous) -> CheckpointStorageWorkerView:
+        return FsCheckpointStorageAccess(self._storage, self.job_id).to_appending_storage(
+            subtask_key, previous
+        )
+
+    def resolve_checkpoint_storage_location(
+        self, checkpoint_id: int, reference: CheckpointStorageLocationReference
+    ) -> CheckpointStreamFactory:
+        plain = super().resolve_checkpoint_storage_location(checkpoint_id, reference)
+        if not reference.is_default_reference():
+            return plain
+        return AppendingSegmentStreamFactory(
+            plain,
+            self._fs,
+            join(self.shared_state_directory, self.subtask_key.managed_dir_name),
+            self.previous,
+            self._storage.file_merging_max_file_size,
+            self._buffer_size,
+            self._threshold,
+        )
 
 
 class FsMergingCheckpointStorageAccess(FsCheckpointStorageAccess):

@@ -35,7 +35,6 @@ import queue
 import re
 import threading
 import uuid
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -44,19 +43,17 @@ from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint_storage._filesystems import join
 from checkpoint_storage._handles import (
-    ByteStreamStateHandle,
     SegmentFileStateHandle,
     StreamStateHandle,
 )
 from checkpoint_storage._references import CheckpointedStateScope
 from checkpoint_storage._streams import (
-    BufferedStateOutputStream,
     CheckpointStateOutputStream,
     CheckpointStreamFactory,
-    _inline_names,
+    SegmentStateOutputStream,
     check_name_prefix,
 )
-from checkpoint_storage.exceptions import StorageConfigurationError, StreamClosedError
+from checkpoint_storage.exceptions import StorageConfigurationError
 
 __all__ = [
     "FileMergingSnapshotManager",
@@ -909,7 +906,7 @@ def release_manager_for_job(job_id: str) -> None:
 # --- the merging stream ------------------------------------------------------------------
 
 
-class FileMergingCheckpointStateOutputStream(BufferedStateOutputStream):
+class FileMergingCheckpointStateOutputStream(SegmentStateOutputStream):
     """Buffers up to the inline threshold (inline handle); beyond it, appends a segment to a
     physical file taken from the manager's pool, held until commit or abort."""
 
@@ -920,38 +917,23 @@ class FileMergingCheckpointStateOutputStream(BufferedStateOutputStream):
         self._checkpoint_id = checkpoint_id
         self._scope = scope
         self._file: PhysicalFile | None = None
-        self._start = 0
-        self._crc = 0
 
     def _has_file(self) -> bool:
         return self._file is not None
 
-    def _write_to_file(self, view: memoryview) -> None:
-        if self._file is None:
-            self._file = self._manager._get_or_create_physical_file(
-                self._subtask_key, self._checkpoint_id, self._scope
-            )
-            self._start = self._file.size
-        self._file.write(view)
-        self._crc = zlib.crc32(view, self._crc)
-        self._flushed += len(view)
+    def _open_segment(self) -> int:
+        self._file = self._manager._get_or_create_physical_file(
+            self._subtask_key, self._checkpoint_id, self._scope
+        )
+        return self._file.size
 
-    def close_and_get_handle(self) -> StreamStateHandle | None:
-        if self._closed:
-            raise StreamClosedError("the state stream was already closed or committed")
-        if self._file is None and len(self._buffer) <= self._threshold:
-            self._closed = True
-            if not self._buffer:
-                return None
-            data, self._buffer = bytes(self._buffer), bytearray()
-            directory = self._manager.get_managed_dir(self._subtask_key, self._scope)
-            return ByteStreamStateHandle(join(directory, _inline_names.next()), data)
-        try:
-            self._flush_buffer()
-        except BaseException:
-            self.close()
-            raise
-        self._closed = True
+    def _append(self, view: memoryview) -> None:
+        self._file.write(view)
+
+    def _inline_directory(self) -> str:
+        return self._manager.get_managed_dir(self._subtask_key, self._scope)
+
+    def _commit_segment(self) -> StreamStateHandle:
         physical_file, self._file = self._file, None
         return self._manager._segment_committed(
             self._subtask_key,
@@ -963,15 +945,10 @@ class FileMergingCheckpointStateOutputStream(BufferedStateOutputStream):
             self._crc,
         )
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._buffer = bytearray()
+    def _abort_segment(self) -> None:
         physical_file, self._file = self._file, None
-        if physical_file is not None:
-            with contextlib.suppress(Exception):
-                self._manager._segment_failed(self._checkpoint_id, physical_file)
+        with contextlib.suppress(Exception):
+            self._manager._segment_failed(self._checkpoint_id, physical_file)
 
 
 class FsMergingCheckpointStreamFactory(CheckpointStreamFactory):

@@ -208,8 +208,9 @@ class SegmentFileStateHandle(_StoredStateHandle):
 
     Reading it returns exactly its segment, verified against ``checksum`` (the CRC-32 of the
     segment's bytes) when it records one. ``discard_state()`` does nothing: the physical file
-    belongs to the worker's ``FileMergingSnapshotManager``, which deletes it once no segment
-    in it is referenced any more.
+    holds other segments too. The worker's ``FileMergingSnapshotManager`` deletes its files
+    once no segment in them is referenced; the shared-state registry deletes an appended
+    file (``is_appended_segment``) once no retained checkpoint references a segment in it.
     """
 
     __slots__ = ("start_position", "scope", "logical_file_id")

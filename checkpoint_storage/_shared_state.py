@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from checkpoint_storage._appending import is_appended_segment
 from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, delete_files
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
 
@@ -25,6 +26,9 @@ class _Entry:
 
 
 def _same_state(a: StreamStateHandle, b: StreamStateHandle) -> bool:
+    if is_appended_segment(a) or is_appended_segment(b):
+        # one entry per appended physical file: its segments differ and share the file
+        return is_appended_segment(a) and is_appended_segment(b)
     return (
         type(a) is type(b)
         and a == b
@@ -33,17 +37,22 @@ def _same_state(a: StreamStateHandle, b: StreamStateHandle) -> bool:
     )
 
 
-def discard_handles(handles: Iterable[StreamStateHandle], max_workers: int) -> None:
+def discard_handles(
+    handles: Iterable[StreamStateHandle], max_workers: int, *, appended_files: bool = False
+) -> None:
     """Discard many handles: file handles grouped by filesystem and deleted in parallel
-    (bounded), others one by one. Every deletion is tried before the first error is raised."""
+    (bounded), others one by one (a segment: nothing). ``appended_files``: a segment of an
+    appended file deletes the whole file (the registry's own discard, once no retained
+    checkpoint references any segment in it). Every deletion is tried before the first
+    error is raised."""
     by_filesystem: dict[int, tuple] = {}
-    paths: dict[int, list[str]] = defaultdict(list)
+    paths: dict[int, dict[str, None]] = defaultdict(dict)
     errors: list[BaseException] = []
     for handle in handles:
-        if isinstance(handle, FileStateHandle):
+        if isinstance(handle, FileStateHandle) or (appended_files and is_appended_segment(handle)):
             fs = handle.filesystem
             by_filesystem[id(fs)] = fs
-            paths[id(fs)].append(fs._strip_protocol(handle.path))
+            paths[id(fs)][fs._strip_protocol(handle.path)] = None
         else:
             try:
                 handle.discard_state()
@@ -51,7 +60,7 @@ def discard_handles(handles: Iterable[StreamStateHandle], max_workers: int) -> N
                 errors.append(exc)
     for key, fs in by_filesystem.items():
         try:
-            delete_files(fs, paths[key], max_workers)
+            delete_files(fs, list(paths[key]), max_workers)
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
     if errors:
@@ -62,10 +71,11 @@ class SharedStateRegistry:
     """Reference counting of shared state by last use.
 
     Each SHARED-scope file is registered under a stable key (its path) with the id of every
-    checkpoint that references it. ``unregister_unused_state(lowest_retained_id)`` forgets
-    the entries no retained checkpoint uses any more and deletes their files in the
-    background, one batch at a time, with bounded parallelism. State restored in NO_CLAIM
-    mode is forgotten but never deleted.
+    checkpoint that references it; an appended physical file (``is_appended_segment``) is
+    one entry for all its segments, and is deleted whole.
+    ``unregister_unused_state(lowest_retained_id)`` forgets the entries no retained
+    checkpoint uses any more and deletes their files in the background, one batch at a time,
+    with bounded parallelism. State restored in NO_CLAIM mode is forgotten but never deleted.
     """
 
     def __init__(self, *, max_workers: int = DEFAULT_DELETE_PARALLELISM) -> None:
@@ -79,9 +89,12 @@ class SharedStateRegistry:
     @staticmethod
     def key_of(handle: StreamStateHandle) -> str:
         """The stable key of a shared state handle."""
-        if isinstance(handle, FileStateHandle):
+        if isinstance(handle, FileStateHandle) or is_appended_segment(handle):
             return handle.path
-        raise TypeError(f"only file handles are shared state, got {type(handle).__name__}")
+        raise TypeError(
+            "only file handles and segments of appended files are shared state, got "
+            f"{type(handle).__name__}"
+        )
 
     def register_reference(
         self, handle: StreamStateHandle, checkpoint_id: int, *, owned: bool = True
@@ -138,7 +151,7 @@ class SharedStateRegistry:
 
     def _discard(self, handles: list) -> None:
         try:
-            discard_handles(handles, self._max_workers)
+            discard_handles(handles, self._max_workers, appended_files=True)
         except Exception:  # noqa: BLE001 - leftovers are garbage: collect_garbage removes them
             logger.warning("could not delete some unused shared state", exc_info=True)
 

@@ -18,6 +18,7 @@ from checkpoint_storage._access import (
     MemoryCheckpointStorageAccess,
     resolve_checkpoint_pointer,
 )
+from checkpoint_storage._appending import appends_in_place
 from checkpoint_storage._file_merging import (
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_MAX_SPACE_AMPLIFICATION,
@@ -30,6 +31,7 @@ from checkpoint_storage._filesystems import (
     EntropyInjector,
     canonical_url,
     options_with_environment,
+    url_to_fs,
 )
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
@@ -171,6 +173,17 @@ class FileSystemCheckpointStorage(CheckpointStorage):
 
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return FsCheckpointStorageAccess(self, job_id)
+
+    @property
+    def resumes_physical_files(self) -> bool:
+        """Whether a writer that lives for one checkpoint (a Spark task) appends its SHARED
+        state to the physical file its subtask wrote last (``to_appending_storage``): file
+        merging across checkpoint boundaries, on a filesystem that appends in place."""
+        return (
+            self.file_merging_enabled
+            and self.file_merging_across_checkpoint_boundary
+            and appends_in_place(url_to_fs(self.checkpoint_directory, self.storage_options)[0])
+        )
 
     def with_file_state_size_threshold(self, threshold: int) -> "FileSystemCheckpointStorage":
         """This storage with a lower inline threshold (0: every state to a file), for a

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from checkpoint_storage._access import _DirectoryBasedAccess
+from checkpoint_storage._appending import is_appended_segment
 from checkpoint_storage._filesystems import DEFAULT_DELETE_PARALLELISM, PathRoots
 from checkpoint_storage._handles import FileStateHandle, StreamStateHandle
 from checkpoint_storage._locations import (
@@ -33,6 +34,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger("checkpoint_storage")
+
+
+def _is_owned_file(handle: StreamStateHandle) -> bool:
+    """A file this job may delete once unreferenced: a file handle, or a segment of an
+    appended physical file (deleted whole; other segments belong to a merging manager)."""
+    return isinstance(handle, FileStateHandle) or is_appended_segment(handle)
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,20 +75,21 @@ class CompletedCheckpoint:
     def is_savepoint(self) -> bool:
         return self.metadata.properties.is_savepoint()
 
-    def _file_handles(self, root: int) -> list[FileStateHandle]:
+    def _file_handles(self, root: int) -> list[StreamStateHandle]:
         roots = self.location.roots
         return [
             h
             for h in self.metadata.all_handles()
-            if isinstance(h, FileStateHandle) and roots.index_of(h.path) == root
+            if _is_owned_file(h) and roots.index_of(h.path) == root
         ]
 
-    def private_handles(self) -> list[FileStateHandle]:
+    def private_handles(self) -> list[StreamStateHandle]:
         """File state inside the checkpoint's own directory: discarded with it."""
         return self._file_handles(PathRoots.OWN)
 
-    def shared_handles(self) -> list[FileStateHandle]:
-        """File state in the job's ``shared/`` directory: owned by the shared state registry."""
+    def shared_handles(self) -> list[StreamStateHandle]:
+        """File state in the job's ``shared/`` directory (files, and segments of appended
+        physical files): owned by the shared state registry."""
         return self._file_handles(PathRoots.SHARED)
 
     def __repr__(self) -> str:
@@ -118,8 +126,9 @@ def abort_checkpoint(
     max_workers: int = DEFAULT_DELETE_PARALLELISM,
 ) -> None:
     """Clean up a failed or aborted checkpoint: discard the state it wrote (pass only handles
-    this checkpoint created, never shared state reused from an earlier one) and remove its
-    ``chk-<id>`` directory."""
+    this checkpoint created, never shared state reused from an earlier one; a segment's
+    physical file stays, its other segments may be referenced) and remove its ``chk-<id>``
+    directory."""
     errors: list[BaseException] = []
     for step in (
         lambda: discard_handles(list(written_handles), max_workers),
@@ -209,9 +218,7 @@ class CompletedCheckpointStore(ABC):
             self._check_open()
             if any(e.external_pointer == checkpoint.external_pointer for e in self._entries):
                 raise ValueError(f"{checkpoint!r} is already in the store")
-            referenced = {
-                h.path for h in checkpoint.metadata.all_handles() if isinstance(h, FileStateHandle)
-            }
+            referenced = {h.path for h in checkpoint.metadata.all_handles() if _is_owned_file(h)}
             if not checkpoint.is_savepoint() and referenced & self._unclaimed_shared:
                 raise ValueError(
                     f"{checkpoint!r} references shared state of a snapshot restored in "

@@ -241,6 +241,71 @@ class BufferedStateOutputStream(CheckpointStateOutputStream):
         ``self._flushed``."""
 
 
+class SegmentStateOutputStream(BufferedStateOutputStream):
+    """Buffers up to the inline threshold (an inline handle); beyond it, writes one segment
+    into a physical file that holds other streams' segments too (file merging).
+
+    Subclasses implement ``_has_file``, ``_open_segment`` (take a physical file; return the
+    offset the segment starts at), ``_append`` (write all of a view to it),
+    ``_commit_segment`` (the segment's handle, from ``_start``, ``_flushed`` and ``_crc``),
+    ``_abort_segment`` (give the file back after a failure; never raises) and
+    ``_inline_directory`` (where an inline handle is named).
+    """
+
+    def __init__(self, buffer_size: int, threshold: int) -> None:
+        super().__init__(buffer_size, threshold)
+        self._start = 0
+        self._crc = 0
+
+    def _write_to_file(self, view: memoryview) -> None:
+        if not self._has_file():
+            self._start = self._open_segment()
+        self._append(view)
+        self._crc = zlib.crc32(view, self._crc)
+        self._flushed += len(view)
+
+    def close_and_get_handle(self) -> StreamStateHandle | None:
+        if self._closed:
+            raise StreamClosedError("the state stream was already closed or committed")
+        if not self._has_file() and len(self._buffer) <= self._threshold:
+            self._closed = True
+            if not self._buffer:
+                return None
+            data, self._buffer = bytes(self._buffer), bytearray()
+            return ByteStreamStateHandle(join(self._inline_directory(), _inline_names.next()), data)
+        try:
+            self._flush_buffer()
+            handle = self._commit_segment()
+        except BaseException:
+            self.close()
+            raise
+        self._closed = True
+        return handle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._buffer = bytearray()
+        if self._has_file():
+            self._abort_segment()
+
+    @abstractmethod
+    def _open_segment(self) -> int: ...
+
+    @abstractmethod
+    def _append(self, view: memoryview) -> None: ...
+
+    @abstractmethod
+    def _commit_segment(self) -> StreamStateHandle: ...
+
+    @abstractmethod
+    def _abort_segment(self) -> None: ...
+
+    @abstractmethod
+    def _inline_directory(self) -> str: ...
+
+
 class FsCheckpointStateOutputStream(BufferedStateOutputStream):
     """Buffers up to the inline threshold; beyond it, streams into a lazily created file.
 

@@ -247,6 +247,24 @@ def empty_state(spark: SparkSession, stage) -> DataFrame:
     return spark.createDataFrame([], stage.state_schema)
 
 
+def _unmerged_state(storage: CheckpointStorage, pipeline: StatefulPipeline) -> str | None:
+    """What file merging, enabled on ``storage``, leaves unmerged in ``pipeline`` (None:
+    nothing, or merging is off). A Spark task writes one file per checkpoint, so only a
+    keyed range's change files, appended across checkpoints, can be packed."""
+    if not getattr(storage, "file_merging_enabled", False):
+        return None
+    unmerged = []
+    if len(pipeline.keyed_stages) < len(pipeline.stages):
+        unmerged.append("the state of DataFrame stages is written one file per Spark task "
+                        "and checkpoint")
+    if pipeline.keyed_stages and not getattr(storage, "resumes_physical_files", False):
+        unmerged.append("the change files of keyed stages are packed only with "
+                        "file_merging_across_checkpoint_boundary=True, on local disk (an "
+                        "object cannot be appended to); they are one file per range and "
+                        "checkpoint")
+    return "; ".join(unmerged) or None
+
+
 class StatefulRunner:
     """Runs ``pipeline`` over its partitions, checkpointing through ``storage``. The first of
     the pipeline's partitions starts from empty state; every other one from a snapshot.
@@ -299,12 +317,11 @@ class StatefulRunner:
         self._lease_owner = lease_owner
         self._lease_ttl = lease_ttl
         self._lease_wait = lease_ttl.total_seconds() * 1.5 if lease_wait is None else lease_wait
-        if getattr(storage, "file_merging_enabled", False):
+        unmerged = _unmerged_state(storage, pipeline)
+        if unmerged:
             # Said once, not ignored silently: a user who enabled it expects packed files.
-            logger.warning(
-                "pipeline %s: the checkpoint storage enables file merging, but pipeline state "
-                "is written one file per Spark task and checkpoint, unmerged: a physical file "
-                "cannot outlive the task that writes it (docs/design.md, 7.7)", pipeline.name)
+            logger.warning("pipeline %s: the checkpoint storage enables file merging, but %s "
+                           "(docs/design.md, 7.7)", pipeline.name, unmerged)
         self._keyed: KeyedStageDriver | None = None
         if pipeline.keyed_stages:
             self._keyed = KeyedStageDriver(

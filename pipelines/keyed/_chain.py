@@ -41,6 +41,7 @@ from checkpoint_storage import (
     FileStateHandle,
     OperatorState,
     OperatorSubtaskState,
+    SegmentFileStateHandle,
     StreamStateHandle,
 )
 from pipelines._parquet_state import write_parquet_state
@@ -98,6 +99,8 @@ class KeyedStateFormatError(ValueError):
 def _describe(handle: StreamStateHandle) -> str:
     if isinstance(handle, FileStateHandle):
         return handle.path
+    if isinstance(handle, SegmentFileStateHandle):
+        return f"segment [{handle.start_position}, {handle.end_position}) of {handle.path}"
     if isinstance(handle, ByteStreamStateHandle):
         return f"inline state {handle.handle_name}"
     return repr(handle)

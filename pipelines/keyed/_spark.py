@@ -45,6 +45,8 @@ from checkpoint_storage import (
     CheckpointStorageLocationReference,
     FileSystemCheckpointStorage,
     StreamStateHandle,
+    SubtaskKey,
+    is_appended_segment,
 )
 from pipelines._handles import StateHandleRef
 from pipelines.keyed._chain import (
@@ -628,6 +630,14 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
             (chain,) = task.sources(key_groups)
             access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
                 task.job_id)
+            # file merging across checkpoints: this range's change files go, one after the
+            # other, into the physical file of its last appended one (checkpoint_storage's
+            # _appending.py); None: a new chain, or the chain of another parallelism
+            previous = next((h for h in reversed(chain.changes) if is_appended_segment(h)),
+                            None) if chain.key_groups == key_groups else None
+            access = access.to_appending_storage(
+                SubtaskKey(access.job_id.hex, stage.name, operator_index, task.parallelism),
+                previous)
             factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                                  task.reference)
             change = write_change_file(factory, layout, key_groups, upserts, result.deletes,

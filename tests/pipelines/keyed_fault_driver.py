@@ -5,6 +5,7 @@ pytest process holds a local[2] SparkContext already, without task retries).
 
     python tests/pipelines/keyed_fault_driver.py --work-dir DIR --partitions p1,p2
         [--parallelism N] [--batches N] [--kill POINT] [--task-kills] [--master URL] [--straggle]
+        [--merging]
 
 ``--kill`` SIGKILLs the driver's process group (the driver, its JVM and, in local mode, the
 executors) and the Python worker that triggers it, once it reaches POINT:
@@ -23,6 +24,9 @@ Before the kill it writes the point to ``<work dir>/killed``. A run that complet
 0 of range 1 exits (its Python worker dies) and attempt 1 of range 0 raises after each state
 file they write and their local store's update. ``--straggle`` (a two-host cluster with
 speculation): attempt 0 of range 1 stalls after its writes, so a speculative copy overtakes it.
+``--merging``: the storage merges files across checkpoints (each range's change files are
+segments appended to one physical file) and ranges materialise after 4 change files only, so
+the second interval's change files append to the file the first checkpoint references.
 """
 
 import argparse
@@ -66,11 +70,11 @@ class Orders(totals.GeneratedOrders):
         return [f"{partition}-{i:03d}" for i in range(self.per_partition)]
 
 
-def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None
-                    ) -> StatefulPipeline:
+def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None,
+                    merging: bool = False) -> StatefulPipeline:
     """test_keyed_runner's totals over ``batches`` batches per partition: a checkpoint every 2
     batches, materialisation every 2 change files (so at the start of a partition's second
-    interval), a state sink and an output sink."""
+    interval; every 4 with ``merging``), a state sink and an output sink."""
     return StatefulPipeline(
         name="keyed_totals",
         stages=[KeyedStage("totals", "customer", totals.TOTALS, totals.customer_totals)],
@@ -84,15 +88,17 @@ def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None
         ],
         checkpoint_interval=2,
         max_parallelism=16,
-        materialisation=MaterialisationPolicy(every=2, min_bytes=0),
+        materialisation=(MaterialisationPolicy(every=4, ratio=100.0, min_bytes=0) if merging
+                         else MaterialisationPolicy(every=2, min_bytes=0)),
         keyed_parallelism=parallelism,
     )
 
 
-def storage_of(work: Path) -> FileSystemCheckpointStorage:
-    return FileSystemCheckpointStorage(str(work / "checkpoints"),
-                                       savepoint_dir=str(work / "savepoints"),
-                                       file_state_size_threshold=0)
+def storage_of(work: Path, merging: bool = False, kind=FileSystemCheckpointStorage
+               ) -> FileSystemCheckpointStorage:
+    return kind(str(work / "checkpoints"), savepoint_dir=str(work / "savepoints"),
+                file_state_size_threshold=0, file_merging_enabled=merging,
+                file_merging_across_checkpoint_boundary=merging)
 
 
 # --- the kill ----------------------------------------------------------------------------
@@ -147,14 +153,23 @@ class KillingStorage(FileSystemCheckpointStorage):
     point. Defined in ``__main__``, so Spark ships it by value."""
 
     def create_checkpoint_storage(self, job_id):
-        access = super().create_checkpoint_storage(job_id)
-        resolve = access.resolve_checkpoint_storage_location
+        return _killing(super().create_checkpoint_storage(job_id))
 
-        def resolve_killing(checkpoint_id, reference):
-            return _KillingFactory(resolve(checkpoint_id, reference), checkpoint_id)
 
-        access.resolve_checkpoint_storage_location = resolve_killing
-        return access
+def _killing(access):
+    """``access`` whose stream factories, and those of its appending views, kill."""
+    resolve, appending = access.resolve_checkpoint_storage_location, access.to_appending_storage
+
+    def resolve_killing(checkpoint_id, reference):
+        return _KillingFactory(resolve(checkpoint_id, reference), checkpoint_id)
+
+    def appending_killing(subtask_key, previous):
+        view = appending(subtask_key, previous)
+        return access if view is access else _killing(view)
+
+    access.resolve_checkpoint_storage_location = resolve_killing
+    access.to_appending_storage = appending_killing
+    return access
 
 
 def kill_hook(point: str):
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task-kills", action="store_true")
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--straggle", action="store_true")
+    parser.add_argument("--merging", action="store_true")
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     os.environ[PGID_ENV] = str(os.getpgid(0))
@@ -230,15 +246,14 @@ def main(argv: list[str] | None = None) -> None:
             from tests.reliability.crash_writer import _project_zip
 
             spark.sparkContext.addPyFile(str(_project_zip(work / "project.zip")))
-        storage = KillingStorage(str(work / "checkpoints"), savepoint_dir=str(
-            work / "savepoints"), file_state_size_threshold=0)
+        storage = storage_of(work, args.merging, KillingStorage)
         hook = None
         if args.kill and args.kill.startswith("hook:"):
             hook = kill_hook(args.kill)
         after_write = kill_after_writes if args.task_kills else (
             straggle if args.straggle else None)
         runner = StatefulRunner(
-            spark, storage, faults_pipeline(work, args.batches, args.parallelism),
+            spark, storage, faults_pipeline(work, args.batches, args.parallelism, args.merging),
             fault_hook=hook, task_after_write=after_write, lease_ttl=LEASE_TTL,
             keyed_local_dir=str(work / "local"))
         results = runner.run(args.partitions.split(","))

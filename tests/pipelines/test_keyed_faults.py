@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 import scenarios_crash  # noqa: E402 - the two-host cluster harness
 
-from checkpoint_storage import collect_garbage
+from checkpoint_storage import collect_garbage, is_appended_segment
 from pipelines import StatefulRunner
 from tests.pipelines import keyed_fault_driver as driver
 from tests.pipelines.test_keyed_runner import SOURCE, referenced_files, shared_files
@@ -53,11 +53,11 @@ def run_driver(work: Path, partitions: list[str], *args: str, env: dict | None =
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def resumer(spark, work: Path, parallelism: int | None = None, batches: int = 4
-            ) -> StatefulRunner:
+def resumer(spark, work: Path, parallelism: int | None = None, batches: int = 4,
+            merging: bool = False) -> StatefulRunner:
     """A runner in this process on the killed driver's directories (its local stores too)."""
-    return StatefulRunner(spark, driver.storage_of(work),
-                          driver.faults_pipeline(work, batches, parallelism),
+    return StatefulRunner(spark, driver.storage_of(work, merging),
+                          driver.faults_pipeline(work, batches, parallelism, merging),
                           keyed_local_dir=str(work / "local"), lease_wait=30)
 
 
@@ -150,6 +150,32 @@ def test_driver_sigkill_then_resume_is_exactly_once(spark, tmp_path, point):
     assert_exactly_once(runner, tmp_path, ["p1"])
 
 
+def test_driver_sigkill_mid_append_then_resume_is_exactly_once(spark, tmp_path):
+    """With file merging across checkpoints, a driver SIGKILLed while a range appends batch 3's
+    change file to the physical file checkpoint 1 references (a torn tail after batch 2's
+    segment), then resumed: the retried batches append after the torn bytes, state and sinks
+    equal a recomputation, and each range's change files are segments of one file."""
+    point = "write:2:-b3-:mid"
+    killed = run_driver(tmp_path, ["p1"], "--kill", point, "--merging")
+    assert (-signal.SIGKILL, point) == (killed.returncode, (tmp_path / "killed").read_text()), \
+        killed.stderr[-3000:]
+    runner = resumer(spark, tmp_path, merging=True)
+    referenced = runner.store.latest().metadata.all_handles()
+    ends = {h.path: max(g.end_position for g in referenced if g.path == h.path)
+            for h in referenced}
+    sizes = {path: os.path.getsize(path) for path in ends}
+
+    runner.run(["p1"])
+
+    handles = runner.store.latest().metadata.all_handles()
+    appended = [h for h in handles if h not in referenced]
+    assert (8, set(ends), True, True) == (
+        len(handles), {h.path for h in handles}, all(map(is_appended_segment, handles)),
+        all(h.start_position >= sizes[h.path] for h in appended))
+    assert any(sizes[path] > end for path, end in ends.items())  # a torn tail was there
+    assert_exactly_once(runner, tmp_path, ["p1"])
+
+
 @pytest.mark.timeout(900)  # 3 attempts per task, each rebuilding its ranges' stores
 def test_task_attempts_failing_after_their_writes_apply_each_batch_once(spark, tmp_path):
     """With attempt 0 of range 1 dying and attempt 1 of range 0 raising after every change
@@ -206,14 +232,17 @@ def test_speculative_copies_of_a_range_apply_each_batch_once(spark, tmp_path):
     assert_exactly_once(runner, work, ["p1"])
 
 
+@pytest.mark.parametrize("file_merging", [False, True], ids=["plain", "merging"])
 def test_retention_after_many_batches_keeps_only_what_retained_checkpoints_reference(
-        spark, tmp_path):
-    """benchmarks/keyed_retention.py with 12 batches over 2 partitions, retention 3: shared
-    files == referenced files, chk-* == retained, state == recomputation."""
+        spark, tmp_path, file_merging):
+    """benchmarks/keyed_retention.py with 12 batches over 2 partitions, retention 3, with
+    and without file merging across checkpoints: shared files == referenced files, chk-* ==
+    retained, state == recomputation."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import keyed_retention
 
-    report = keyed_retention.check(spark, tmp_path, 12, max_retained=3, partitions=2)
+    report = keyed_retention.check(spark, tmp_path, 12, max_retained=3, partitions=2,
+                                   file_merging=file_merging)
 
     assert ([], [], []) == (report.unreferenced, report.missing, report.other_entries)
     assert (report.retained, 3, True) == (report.chk_dirs, len(report.retained), report.state_ok)

@@ -18,7 +18,7 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql import types as T
 
-from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode
+from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode, is_appended_segment
 from pipelines import (
     KeyedResult,
     KeyedStage,
@@ -27,6 +27,7 @@ from pipelines import (
     Source,
     StatefulPipeline,
     StatefulRunner,
+    read_state,
 )
 from pipelines.keyed import compute_key_group_range_for_operator_index
 from tests.pipelines.support import InjectedFault
@@ -280,17 +281,57 @@ def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
 
 
 
-def test_file_merging_enabled_on_the_storage_is_reported_not_ignored(spark, tmp_path, caplog):
-    """A storage with file merging enabled gets a warning naming the pipeline that its state
-    files are not merged; the run still equals a recomputation."""
+def test_file_merging_within_checkpoints_is_reported_not_ignored(spark, tmp_path, caplog):
+    """A storage that merges files within checkpoints only gets a warning naming the pipeline
+    that its change files are not merged (one per range and checkpoint); the run still
+    equals a recomputation."""
     storage = storage_of(tmp_path, file_merging_enabled=True)
     with caplog.at_level("WARNING", logger="pipelines.runner"):
         runner = StatefulRunner(spark, storage, totals_pipeline(tmp_path),
                                 keyed_local_dir=str(tmp_path / "local"))
     runner.run(["p1"])
     warned = [r.getMessage() for r in caplog.records if "file merging" in r.getMessage()]
-    assert (1, True, expected(["p1"])) == (
-        len(warned), "keyed_totals" in "".join(warned), state_of(runner))
+    assert (1, True, True, expected(["p1"])) == (
+        len(warned), "keyed_totals" in "".join(warned),
+        "file_merging_across_checkpoint_boundary=True" in "".join(warned), state_of(runner))
+
+
+def test_file_merging_across_checkpoints_packs_each_ranges_change_files(spark, tmp_path,
+                                                                          caplog):
+    """With file merging across checkpoints, each range's change files are segments of one
+    physical file per chain; runs resumed by new runners and read by read_state equal a
+    recomputation, and the shared directory holds exactly what retained checkpoints
+    reference (a file leaves with the last checkpoint that uses a segment in it)."""
+    storage = storage_of(tmp_path, file_merging_enabled=True,
+                         file_merging_across_checkpoint_boundary=True)
+    pipeline = totals_pipeline(tmp_path, materialisation=MaterialisationPolicy(
+        every=4, ratio=100.0, min_bytes=0))
+    states, files = [], []
+    with caplog.at_level("WARNING", logger="pipelines.runner"):
+        for partition in ("p1", "p2", "p3"):
+            runner = StatefulRunner(spark, storage, pipeline,
+                                    keyed_local_dir=str(tmp_path / "local"))
+            runner.run([partition])
+            runner.store.shared_state_registry.wait_for_pending_deletions()
+            latest = runner.store.latest()
+            handles = latest.metadata.all_handles()
+            states.append(state_of(runner) == read_state_of(latest) ==
+                          expected(["p1", "p2", "p3"][:len(states) + 1]))
+            files.append((len({h.path for h in handles if is_appended_segment(h)}),
+                          sum(map(is_appended_segment, handles))))
+    warned = [r.getMessage() for r in caplog.records if "file merging" in r.getMessage()]
+    assert ([True] * 3, [], referenced_files(runner)) == (states, warned,
+                                                          shared_files(tmp_path, runner))
+    # (physical files, segments): per range, one file holds the partition's 4 change files
+    # (a partition's first batch materialises the range, starting a new chain and file)
+    assert [(2, 8), (2, 8), (2, 8)] == files
+
+
+def read_state_of(checkpoint) -> dict[str, tuple[int, int]]:
+    table = read_state(checkpoint.external_pointer, "totals")
+    return {c: (o, t) for c, o, t in zip(*(table.column(n).to_pylist()
+                                          for n in ("customer", "orders", "total")),
+                                        strict=True)}
 
 
 def test_a_batch_sweeps_idle_local_stores_of_other_jobs(spark, tmp_path):

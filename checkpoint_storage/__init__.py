@@ -19,6 +19,7 @@ from checkpoint_storage._appending import (
     is_appended_segment,
 )
 from checkpoint_storage._file_merging import (
+    DEFAULT_MAX_FILE_SIZE,
     FileMergingSnapshotManager,
     FileMergingType,
     LogicalFile,
@@ -131,6 +132,7 @@ __all__ = [
     "APPENDED_FILE_PREFIX",
     "DEFAULT_FILE_STATE_THRESHOLD",
     "DEFAULT_LEASE_TTL",
+    "DEFAULT_MAX_FILE_SIZE",
     "DEFAULT_WRITE_BUFFER_SIZE",
     "JOB_NAME_STATE",
     "SOURCE_POSITION_STATE",

@@ -6,6 +6,7 @@ from pydantic import field_validator
 
 from checkpoint_storage import (
     DEFAULT_FILE_STATE_THRESHOLD,
+    DEFAULT_MAX_FILE_SIZE,
     DEFAULT_WRITE_BUFFER_SIZE,
     FileSystemCheckpointStorage,
     refuse_credentials,
@@ -23,6 +24,10 @@ class CheckpointStorageResource(ConfigurableResource):
       executors, so they never travel inside the objects shipped to executors. (A
       ``dagster.EnvVar`` resolves on the driver only; S3 credentials in ``AWS_*`` variables
       need nothing here at all.)
+    - ``file_merging_enabled``, ``file_merging_across_checkpoint_boundary``,
+      ``file_merging_max_file_size``: Flink's ``execution.checkpointing.file-merging.*``.
+      With both on and a local ``checkpoint_dir``, each keyed range's change files are
+      appended to one physical file per snapshot instead of one file per batch.
     """
 
     checkpoint_dir: str
@@ -31,6 +36,9 @@ class CheckpointStorageResource(ConfigurableResource):
     write_buffer_size: int = DEFAULT_WRITE_BUFFER_SIZE
     storage_options: dict[str, str] = {}
     storage_options_from_env: dict[str, str] = {}
+    file_merging_enabled: bool = False
+    file_merging_across_checkpoint_boundary: bool = False
+    file_merging_max_file_size: int = DEFAULT_MAX_FILE_SIZE
 
     @field_validator("storage_options")
     @classmethod
@@ -46,4 +54,7 @@ class CheckpointStorageResource(ConfigurableResource):
             write_buffer_size=self.write_buffer_size,
             storage_options=dict(self.storage_options),
             storage_options_from_env=dict(self.storage_options_from_env),
+            file_merging_enabled=self.file_merging_enabled,
+            file_merging_across_checkpoint_boundary=self.file_merging_across_checkpoint_boundary,
+            file_merging_max_file_size=self.file_merging_max_file_size,
         )

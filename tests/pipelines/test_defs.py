@@ -221,6 +221,19 @@ def test_credentials_are_refused_in_plain_storage_options():
         CheckpointStorageResource(checkpoint_dir="/tmp/x", storage_options={"secret": "s3cr3t"})
 
 
+def test_file_merging_options_reach_the_storage(tmp_path):
+    """The resource's file merging options configure the storage it hands out: on local
+    disk, merging across checkpoints makes writers resume their physical files."""
+    resource = CheckpointStorageResource(
+        checkpoint_dir=str(tmp_path), file_merging_enabled=True,
+        file_merging_across_checkpoint_boundary=True, file_merging_max_file_size=1 << 20)
+    storage = resource.checkpoint_storage()
+    plain = CheckpointStorageResource(checkpoint_dir=str(tmp_path)).checkpoint_storage()
+    assert (True, 1 << 20, False) == (storage.resumes_physical_files,
+                                      storage.file_merging_max_file_size,
+                                      plain.resumes_physical_files)
+
+
 def test_credentials_from_env_stay_out_of_the_shipped_object(tmp_path, monkeypatch):
     """Options named in storage_options_from_env are read from the environment when used and
     are absent from the pickled storage object; an unset variable is a clear error."""

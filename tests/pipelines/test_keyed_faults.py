@@ -192,6 +192,27 @@ def test_task_attempts_failing_after_their_writes_apply_each_batch_once(spark, t
     assert_exactly_once(runner, tmp_path, ["p1"])
 
 
+@pytest.mark.timeout(900)
+def test_task_attempts_failing_after_their_appends_apply_each_batch_once(spark, tmp_path):
+    """With file merging across checkpoints, attempts failing after they appended their
+    change file (as above) leave dead bytes between the committed segments, never a
+    referenced one: state and sinks equal a recomputation, and each range's four change
+    files are segments of its one file, range 1's with gaps where attempt 0's segments are."""
+    done = run_driver(tmp_path, ["p1"], "--task-kills", "--master", "local[2,3]", "--merging",
+                      timeout=600)
+    assert 0 == done.returncode, done.stderr[-3000:]
+    runner = resumer(spark, tmp_path, merging=True)
+
+    segments: dict[str, list] = {}
+    for handle in runner.store.latest().metadata.all_handles():
+        segments.setdefault(handle.path, []).append(handle)
+    gaps = sorted(sum(b.start_position > a.end_position for a, b in zip(
+        sorted(hs, key=lambda h: h.start_position),
+        sorted(hs, key=lambda h: h.start_position)[1:], strict=False)) for hs in segments.values())
+    assert ([4, 4], [0, 3]) == (sorted(len(hs) for hs in segments.values()), gaps)
+    assert_exactly_once(runner, tmp_path, ["p1"])
+
+
 def test_rescaling_2_3_2_with_a_kill_mid_rescale_equals_a_recomputation(spark, tmp_path):
     """p1 on 2 ranges; p2 on 3, its driver SIGKILLed while writing the rescaled snapshots and
     resumed on 3; p3 on 2: state and sinks equal a recomputation after each (2 batches per

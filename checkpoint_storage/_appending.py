@@ -174,13 +174,13 @@ class AppendingSegmentOutputStream(SegmentStateOutputStream):
         )
 
     def _abort_segment(self) -> None:
-        fd, self._fd = self._fd, None
         # Still under the lock: if nothing follows this segment's bytes, they can go.
         with contextlib.suppress(OSError):
             if self._created:
                 os.unlink(self._fs._strip_protocol(self._url))
-            elif os.fstat(fd).st_size == self._start + self._flushed:
-                os.ftruncate(fd, self._start)
+            elif self._ours_last():
+                os.ftruncate(self._fd, self._start)
+        fd, self._fd = self._fd, None
         with contextlib.suppress(OSError):
             os.close(fd)
 

@@ -166,15 +166,22 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
         for url in batch.column(0).to_pylist():
             fs, path = source._location.filesystem(url)
             with fs.open(path, "rb") as f:
-                table = _read_table(f, source)
+                table = _read_table(f, source, url)
             yield from table.select(target.names).cast(target).to_batches()
 
 
-def _read_table(f, source: FileSource) -> pa.Table:
+def _read_table(f, source: FileSource, url: str) -> pa.Table:
     if source.format == "parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(f, columns=source.schema.names)
+        # ParquetFile, not read_table: that imports pyarrow.dataset and pandas, 0.4 s of a
+        # cold Python worker's first batch. It skips missing columns silently: hence the check.
+        table = pq.ParquetFile(f).read(columns=source.schema.names)
+        missing = [name for name in source.schema.names if name not in table.column_names]
+        if missing:
+            raise ValueError(f"{url} lacks the column(s) {missing} of the source's schema "
+                             f"{source.schema.names}; fix the file or the schema")
+        return table
     if source.format == "csv":
         from pyarrow import csv
 

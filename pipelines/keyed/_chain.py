@@ -358,16 +358,38 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
     if identity != expected:
         raise KeyedStateFormatError(f"{what} is not the {kind} of this stage's key groups "
                                     f"{key_groups}: it says {identity}, expected {expected}")
-    filters = None
-    if wanted is not None and wanted != key_groups:
-        filters = [(KEY_GROUP, ">=", wanted.start), (KEY_GROUP, "<=", wanted.end)]
+    schema = _file_schema(layout, kind, key_groups)
+    narrower = wanted is not None and wanted != key_groups
     try:
-        table = pq.read_table(pa.BufferReader(data), filters=filters,
-                              schema=_file_schema(layout, kind, key_groups))
+        # ParquetFile, not read_table: that imports pyarrow.dataset and pandas, 0.4 s of a
+        # cold Python worker's rebuild
+        table = (parquet.read_row_groups(_row_groups_of(parquet, wanted), columns=schema.names)
+                 if narrower else parquet.read(columns=schema.names))
+        missing = [name for name in schema.names if name not in table.column_names]
+        if missing:
+            raise ValueError(f"column(s) {missing} missing")
+        table = table.select(schema.names).cast(schema)
     except (pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
                                     "checkpoint or a savepoint") from exc
+    if narrower:
+        groups = table.column(KEY_GROUP)
+        table = table.filter(pc.and_(pc.greater_equal(groups, wanted.start),
+                                     pc.less_equal(groups, wanted.end)))
     return table
+
+
+def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:
+    """The row groups that may hold rows of ``wanted`` key groups, by their statistics (the
+    files are sorted by key group, so a narrower range reads only its part)."""
+    column = parquet.schema_arrow.get_field_index(KEY_GROUP)
+    chosen = []
+    for index in range(parquet.metadata.num_row_groups):
+        statistics = parquet.metadata.row_group(index).column(column).statistics
+        if statistics is None or not statistics.has_min_max or (
+                statistics.min <= wanted.end and statistics.max >= wanted.start):
+            chosen.append(index)
+    return chosen
 
 
 def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
@@ -378,6 +400,8 @@ def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
     handle (default: its ``open()``, which verifies it)."""
     table = _read(handle, layout, _CHANGE, key_groups, wanted, read_bytes)
     deleted = table.column(DELETED)
+    if not pc.any(deleted).as_py():  # a filter copies every row: 0.5 s for a 4M-row base
+        return layout.conform(table, _describe(handle)), layout.key_schema.empty_table()
     upserts = layout.conform(table.filter(pc.invert(deleted)), _describe(handle))
     deletes = table.filter(deleted).select(list(layout.key))
     return upserts, deletes

@@ -91,18 +91,27 @@ def _hash_binary(array: pa.Array) -> np.ndarray:
     return out
 
 
+_HASH_BLOCK_ROWS = 1 << 16
+
+
 def _hash_fixed_width(data: np.ndarray, rows: int, width: int) -> np.ndarray:
     """``_hash_binary`` of ``rows`` values of ``width`` bytes each, back to back in ``data``
     (ids of one width are common): Horner's rule down the columns of a rows x width view,
-    with no sort and no gather."""
+    with no sort and no gather, a block of rows at a time so that the running hashes stay in
+    the CPU's cache (3-6x faster than whole columns at 4M rows)."""
     values = data.reshape(rows, width)
-    poly = np.zeros(rows, dtype=np.uint64)
+    out = np.empty(rows, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for j in range(width):
-            poly *= _P
-            poly += values[:, j]
-            poly += np.uint64(1)
-        return _fmix64(poly ^ (np.uint64(width) * _GOLDEN))
+        salt = np.uint64(width) * _GOLDEN
+        for start in range(0, rows, _HASH_BLOCK_ROWS):
+            block = values[start:start + _HASH_BLOCK_ROWS]
+            poly = np.zeros(len(block), dtype=np.uint64)
+            for j in range(width):
+                poly *= _P
+                poly += block[:, j]
+                poly += np.uint64(1)
+            out[start:start + _HASH_BLOCK_ROWS] = _fmix64(poly ^ salt)
+    return out
 
 
 def _hash_column(column: pa.Array | pa.ChunkedArray, name: str) -> np.ndarray:

@@ -5,7 +5,7 @@ one) rebuilds it from the chain, so losing it never loses state.
 ``ArrowKeyedStateStore`` is the store the benchmark chose (benchmarks/keyed_store.py,
 docs/design.md "Keyed state"): a *segment*, an Arrow IPC file memory-mapped (the operating
 system pages it, so state may exceed memory), plus *runs*: one small Arrow file per batch of
-changes (upserts and deletes, each key once, sorted by key hash), held in memory.
+changes (upserts and deletes, each key once, sorted by key hash), memory-mapped too.
 
 The segment is in the order of a materialisation, by key group then key hash, with each key
 group's first row in the manifest; so a rebuild loads a materialisation as it is read, and a
@@ -120,7 +120,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     changes; see the module."""
 
     def __init__(self, directory: str | os.PathLike, layout: KeyedStateLayout,
-                 key_groups: KeyGroupRange, *, merge_ratio: float = 0.05,
+                 key_groups: KeyGroupRange, *, merge_ratio: float = 0.25,
                  min_merge_rows: int = 10_000, max_runs: int = 16) -> None:
         """Open the store in ``directory`` or create an empty one. A directory holding another
         stage's or range's store, or an unreadable one, raises ``LocalStoreError``.
@@ -220,8 +220,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._hashes = _numpy(segment.column(_HASH))
 
     def _read_run(self, name: str) -> "_Run":
-        with pa.OSFile(str(self.directory / name)) as f:
-            table = ipc.open_file(f).read_all()
+        # mapped like the segment: opening the store reads no run, a lookup pages in what
+        # it touches
+        table = ipc.open_file(pa.memory_map(str(self.directory / name))).read_all()
         return _Run(name, table, _numpy(table.column(_HASH)),
                     _numpy(table.column(_DELETED)) if table.num_rows else np.zeros(0, bool))
 
@@ -363,10 +364,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
         added_hashes = hashes[added]
         added_groups = (added_hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
         order = group_hash_order(added_groups, added_hashes)
-        # where each added row goes among the kept segment rows (all in (group, hash) order)
-        before = np.concatenate([[0], np.cumsum(kept)])[self._segment_bounds(
-            added_hashes[order], "left")]
-        slots = before + np.arange(len(order))
+        # where each added row goes among the kept segment rows (all in (group, hash) order):
+        # its place in the segment less the replaced rows before it (no pass over the segment)
+        bounds = self._segment_bounds(added_hashes[order], "left")
+        slots = bounds - np.searchsorted(np.sort(replaced), bounds) + np.arange(len(order))
         total = int(kept.sum()) + len(order)
         is_added = np.zeros(total, bool)
         is_added[slots] = True
@@ -450,9 +451,12 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._write_manifest()
         self._remove_unnamed()
 
-    def _threshold(self) -> float:
-        """The rows past which the runs merge into the segment."""
-        return max(self.min_merge_rows, self.merge_ratio * self._segment.num_rows)
+    def _threshold(self, segment_rows: int | None = None) -> float:
+        """The rows past which the runs merge into the segment (of ``segment_rows``, default
+        the current one's)."""
+        if segment_rows is None:
+            segment_rows = self._segment.num_rows
+        return max(self.min_merge_rows, self.merge_ratio * segment_rows)
 
     def _compact_runs(self) -> None:
         """Replace the runs by one (each key's newest row): lookups search fewer runs."""
@@ -465,7 +469,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
              deletes: pa.Table | None = None, version: str | None = None) -> None:
         rows = self.layout.conform(rows, f"local store {self.directory}: rows")
         rows = self._with_hashes(rows, "rows").select(self._segment_schema.names)
-        rows = rows.combine_chunks()  # one record batch: see _write_arrow
         hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
         groups = self._groups_of(hashes)
         # a materialisation (or a change file) comes in (key group, hash) order already
@@ -476,14 +479,18 @@ class ArrowKeyedStateStore(KeyedStateStore):
             rows, groups = rows.take(pa.array(order)), groups[order]
         offsets = np.searchsorted(groups, np.arange(len(self.key_groups) + 1))
         changed = sum(t.num_rows for t in (upserts, deletes) if t is not None)
+        # the base as the segment, in memory: the changes merge into it before one write
+        # when they would merge at once anyway (a rebuild's changes since a snapshot), and
+        # the merge copies the base, so it is not made one record batch first
+        merges = changed > self._threshold(rows.num_rows)
+        if not merges:
+            rows = rows.combine_chunks()  # one record batch: see _write_arrow
         if not changed:
             self._write_segment(rows, offsets, version)
             return
-        # the base as the segment, in memory: the changes merge into it before one write
-        # when they would merge at once anyway (a rebuild's changes since a snapshot)
         self._segment, self._hashes, self._offsets, self._runs = rows, hashes, offsets, []
         self._rows = rows.num_rows
-        if changed <= self._threshold():
+        if not merges:
             self._write_segment(rows, offsets, None)
         self.apply(self.layout.stored_schema.empty_table() if upserts is None else upserts,
                    self.layout.key_schema.empty_table() if deletes is None else deletes,

@@ -133,6 +133,16 @@ def test_keys_of_one_width_hash_as_among_keys_of_other_widths(keys):
     assert mixed[:-1] == alone
 
 
+def test_keys_of_one_width_hash_alike_across_the_blocks_they_are_hashed_in():
+    """Keys of one width are hashed a block of rows at a time; a batch spanning several
+    blocks (and a partial last one) hashes each key as a batch of mixed widths does."""
+    keys = [f"u{i:09d}".encode() for i in range(150_001)]
+    alone = hash_keys(pa.table({"k": pa.array(keys, pa.binary())}), ("k",))
+    mixed = hash_keys(pa.table({"k": pa.array([*keys, b"wider key"], pa.binary())}), ("k",))
+
+    assert mixed[:-1].tolist() == alone.tolist()
+
+
 @settings(deadline=None)
 @given(st.lists(st.sampled_from(["a", "b", "c", "dd", "eee"]), max_size=30),
        st.booleans())

@@ -113,6 +113,18 @@ def test_file_source_reads_parquet_selecting_and_casting_to_its_schema(spark, tm
     ) == (frame.dtypes, rows(frame))
 
 
+def test_file_source_parquet_batch_without_a_column_of_the_schema_names_file_and_column(
+        spark, tmp_path):
+    """A Parquet batch lacking a column of the source's schema fails the read with an error
+    naming the file and the column, rather than a null column."""
+    schema = pa.schema([("k", pa.string())])
+    path = write_parquet(tmp_path / f"date={DAY}", "b.parquet", [("a",)], schema)
+    with pytest.raises(Exception) as raised:
+        kv_source(tmp_path).read(spark, DAY, "b.parquet").collect()
+    message = str(raised.value)
+    assert (True, True) == (str(path) in message, "lacks the column(s) ['v']" in message)
+
+
 def test_file_source_reads_csv_with_a_header(spark, tmp_path):
     """A CSV batch (with a header) is read with the source's schema: strings, integers,
     decimals and dates."""

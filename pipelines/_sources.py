@@ -25,6 +25,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from pipelines._fsspec import FileSystemLocation
+from pipelines._parquet_state import read_parquet
 
 __all__ = ["FileSource", "Source", "SparkReadSource", "arrow_schema"]
 
@@ -171,16 +172,11 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
 
 def _read_table(f, source: FileSource, url: str) -> pa.Table:
     if source.format == "parquet":
-        import pyarrow.parquet as pq
-
-        # ParquetFile, not read_table: that imports pyarrow.dataset and pandas, 0.4 s of a
-        # cold Python worker's first batch. It skips missing columns silently: hence the check.
-        table = pq.ParquetFile(f).read(columns=source.schema.names)
-        missing = [name for name in source.schema.names if name not in table.column_names]
-        if missing:
-            raise ValueError(f"{url} lacks the column(s) {missing} of the source's schema "
-                             f"{source.schema.names}; fix the file or the schema")
-        return table
+        try:
+            return read_parquet(f, source.schema.names)
+        except ValueError as exc:
+            raise ValueError(f"{url} {exc} (the source's schema has {source.schema.names}); "
+                             "fix the file or the schema") from None
     if source.format == "csv":
         from pyarrow import csv
 

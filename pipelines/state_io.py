@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from pyspark import TaskContext
 from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -21,7 +20,7 @@ from checkpoint_storage import (
     StreamStateHandle,
 )
 from pipelines._handles import StateHandleRef
-from pipelines._parquet_state import write_parquet_state
+from pipelines._parquet_state import read_parquet, write_parquet_state
 
 __all__ = [
     "HANDLE_ROW_SCHEMA",
@@ -128,7 +127,7 @@ def read_state_partition(
             handle = handle_from_row(row, options)
             with handle.open() as f:
                 data = f.read()
-            table = pq.read_table(pa.BufferReader(data))
+            table = read_parquet(pa.BufferReader(data))
             if table.schema != task.schema:
                 table = table.cast(task.schema)
             yield from table.to_batches()

@@ -45,6 +45,7 @@ from checkpoint_storage import (
     resolve_checkpoint_pointer,
 )
 from pipelines._handles import StateHandleRef
+from pipelines._parquet_state import read_parquet
 from pipelines.keyed import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -268,7 +269,7 @@ def _named_state_errors(stage: str, what: str) -> Iterator[None]:
 def _read_parquet(stage: str, ref: StateHandleRef, schema: pa.Schema, options) -> pa.Table:
     data = _read_bytes(stage, ref, options)
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        table = read_parquet(pa.BufferReader(data))
     except (pa.ArrowInvalid, OSError) as exc:
         raise InvalidCheckpointError(
             f"stage {stage!r}: {ref.describe()} is not a valid Parquet file ({exc}): the state "

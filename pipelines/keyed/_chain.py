@@ -44,7 +44,7 @@ from checkpoint_storage import (
     SegmentFileStateHandle,
     StreamStateHandle,
 )
-from pipelines._parquet_state import write_parquet_state
+from pipelines._parquet_state import read_parquet, write_parquet_state
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
@@ -361,13 +361,8 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
     schema = _file_schema(layout, kind, key_groups)
     narrower = wanted is not None and wanted != key_groups
     try:
-        # ParquetFile, not read_table: that imports pyarrow.dataset and pandas, 0.4 s of a
-        # cold Python worker's rebuild
-        table = (parquet.read_row_groups(_row_groups_of(parquet, wanted), columns=schema.names)
-                 if narrower else parquet.read(columns=schema.names))
-        missing = [name for name in schema.names if name not in table.column_names]
-        if missing:
-            raise ValueError(f"column(s) {missing} missing")
+        table = read_parquet(parquet, schema.names,
+                             _row_groups_of(parquet, wanted) if narrower else None)
         table = table.select(schema.names).cast(schema)
     except (pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "

@@ -114,7 +114,9 @@ class StatefulRunConfig(dg.Config):
     restore_mode: RestoreMode = Field(
         default=RestoreMode.NO_CLAIM,
         description="NO_CLAIM: the restored snapshot is never deleted by this pipeline. CLAIM: "
-        "it is handed to retention, which deletes it once newer checkpoints subsume it.",
+        "it is handed to retention, which deletes it once newer checkpoints subsume it (a "
+        "savepoint, or a checkpoint of this pipeline's own job directory; another job's "
+        "checkpoint is refused before any Spark work).",
     )
 
 
@@ -250,6 +252,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
                 config.restore_from,
                 context.partition_keys[0],
                 pipeline,
+                config.restore_mode,
             )
             mode = RestoreMode(config.restore_mode).value
             context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")

@@ -7,7 +7,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import dagster as dg
@@ -20,6 +20,7 @@ from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode, is_appended_segment
 from pipelines import (
+    ClaimRefusedError,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
@@ -214,6 +215,38 @@ def test_a_savepoint_is_self_contained_parquet_and_restores(spark, tmp_path):
     referenced = {Path(h.path).name for c in restored.store.all() if not c.is_savepoint()
                   for h in c.metadata.all_handles() if hasattr(h, "path")}
     assert set() == referenced & {p.name for p in files}
+
+
+def test_claim_of_another_pipelines_checkpoint_is_refused_before_any_batch(spark, tmp_path):
+    """CLAIM of a checkpoint in another pipeline's job directory fails before any batch runs
+    (no batch applied, no checkpoint, no sink output, the checkpoint kept), saying to use
+    NO_CLAIM; NO_CLAIM of it works, and a savepoint may be claimed from anywhere."""
+    owner = runner_of(spark, tmp_path)
+    owner.run(["p1"])
+    pointer = owner.store.latest().external_pointer
+    savepoint = owner.take_savepoint()
+    applied = []
+
+    def other(name):
+        pipeline = replace(totals_pipeline(tmp_path / name, max_retained_checkpoints=1),
+                           name=name)
+        return runner_of(spark, tmp_path, pipeline,
+                         fault_hook=lambda point, **info: applied.append((name, point)))
+
+    claiming = other("claiming_totals")
+    with pytest.raises(ClaimRefusedError, match="use NO_CLAIM") as refused:
+        claiming.run(["p2"], restore_from=pointer, restore_mode=RestoreMode.CLAIM)
+    assert ([], None, False, True) == (
+        applied, claiming.access.latest_completed_checkpoint(),
+        (tmp_path / "claiming_totals").exists(), os.path.exists(f"{pointer}/_metadata"))
+    assert pointer in str(refused.value)
+
+    copying = other("copying_totals")
+    copying.run(["p2"], restore_from=pointer, restore_mode=RestoreMode.NO_CLAIM)
+    claiming.run(["p2"], restore_from=savepoint.pointer, restore_mode=RestoreMode.CLAIM)
+    assert (expected(["p1", "p2"]), expected(["p1", "p2"]), True, False) == (
+        state_of(copying), state_of(claiming), os.path.exists(f"{pointer}/_metadata"),
+        os.path.exists(savepoint.pointer))
 
 
 def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, tmp_path):

@@ -263,6 +263,11 @@ class CheckpointSummary:
     files_written: int
     inline_states: int
     state_rows: dict[str, int]
+    """Live rows per stage: a keyed stage's expired rows (kept until a materialisation drops
+    them) are in ``expired_rows``, not here."""
+    expired_rows: dict[str, int | None] = field(default_factory=dict)
+    """Rows per stage that the TTL had expired, not dropped yet (0 for a DataFrame stage;
+    None: not known, a keyed state restored from a checkpoint that did not record it)."""
 
 
 @dataclass
@@ -699,7 +704,7 @@ class StatefulRunner:
             PIPELINE_NAME_STATE: self.pipeline.name.encode(),
         }
         operator_states = []
-        state_rows = {}
+        state_rows, expired_rows = {}, {}
         options = self.storage.storage_options if hasattr(self.storage, "storage_options") else {}
         try:
             for stage in self.stages:
@@ -710,7 +715,8 @@ class StatefulRunner:
                                                      location.location_reference)
                     operator_states.append(state.operator_state())
                     master.update(state.master_states())
-                    state_rows[stage.name] = state.rows
+                    expired_rows[stage.name] = state.expired_rows
+                    state_rows[stage.name] = state.rows - (expired_rows[stage.name] or 0)
                     continue
                 schema = to_arrow_schema(state.schema, timezone="UTC")
                 task = StateWriteTask(
@@ -728,7 +734,8 @@ class StatefulRunner:
                 subtasks = {
                     row["subtask"]: OperatorSubtaskState(
                         (handle_from_row(row.asDict(), options),),
-                        {"rows": str(row["rows"]), "attempt": str(row["attempt"])},
+                        {"rows": str(row["rows"]), "expired_rows": "0",
+                         "attempt": str(row["attempt"])},
                     )
                     for row in written
                 }
@@ -738,6 +745,7 @@ class StatefulRunner:
                     OperatorState(stage.name, max(len(written), 1), subtask_states=subtasks)
                 )
                 state_rows[stage.name] = sum(row["rows"] for row in written)
+                expired_rows[stage.name] = 0
                 master[SCHEMA_STATE_PREFIX + stage.name] = schema.serialize().to_pybytes()
             metadata = CheckpointMetadata(
                 checkpoint_id,
@@ -771,6 +779,7 @@ class StatefulRunner:
             len(files),
             len(handles) - len(files),
             state_rows,
+            expired_rows,
         )
         logger.info("completed %s %s at %s", "savepoint" if summary.savepoint else "checkpoint",
                     summary.pointer, position)

@@ -18,6 +18,7 @@ from checkpoint_storage import (
     verify_checkpoint,
 )
 from pipelines import (
+    CheckpointSummary,
     PartitionResult,
     StatefulPipeline,
     StatefulRunner,
@@ -124,6 +125,7 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
     checkpoint = result.checkpoint
     rows = {f"rows_{name}": count for name, count in result.rows.items()}
     state_rows = {f"state_rows_{name}": n for name, n in checkpoint.state_rows.items()}
+    state_rows |= expired_rows_metadata(checkpoint)
     yield dg.AssetMaterialization(
         pipeline.name,
         partition=result.partition,
@@ -154,6 +156,14 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
                 "of": sink.of,
             },
         )
+
+
+def expired_rows_metadata(summary: CheckpointSummary) -> dict:
+    """``expired_rows_<stage>``: rows a keyed stage's TTL expired that the state still holds
+    (``state_rows_<stage>`` counts the live ones); left out where it is not known, so that
+    the entry stays numeric (Dagster plots it)."""
+    return {f"expired_rows_{name}": n for name, n in summary.expired_rows.items()
+            if n is not None}
 
 
 def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:

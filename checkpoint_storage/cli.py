@@ -968,6 +968,24 @@ def _master_state_json(name: str, data: bytes) -> dict:
     }
 
 
+def _recorded_rows(op) -> dict:
+    """The rows an operator's subtasks recorded (the well-known subtask properties ``rows``
+    and ``expired_rows``, a pipeline's): stored rows, of those expired by a TTL but not
+    dropped yet, and live (stored less expired). None where a subtask did not record it
+    (a checkpoint written before it was recorded: unknown, not 0)."""
+
+    def total(name: str) -> int | None:
+        try:
+            counts = [int(s.properties[name]) for s in op.subtask_states.values()]
+        except (KeyError, ValueError):
+            return None
+        return sum(counts) if counts else None
+
+    rows, expired = total("rows"), total("expired_rows")
+    live = None if rows is None or expired is None else rows - expired
+    return {"rows": rows, "live_rows": live, "expired_rows": expired}
+
+
 def _metadata_json(pointer: str, metadata: CheckpointMetadata) -> dict:
     timestamp = (
         None
@@ -995,6 +1013,7 @@ def _metadata_json(pointer: str, metadata: CheckpointMetadata) -> dict:
                 "parallelism": op.parallelism,
                 "max_parallelism": op.max_parallelism,
                 "state_size": op.state_size,
+                **_recorded_rows(op),
                 "subtasks": [
                     {
                         "index": index,
@@ -1083,7 +1102,10 @@ def _inspect(pointer_arg: str, as_json: bool, options: dict) -> int:
             "SUBTASKS",
             "HANDLES",
             "SIZE",
-            right={"PARALLELISM", "MAX", "SUBTASKS", "HANDLES", "SIZE"},
+            "LIVE ROWS",
+            "EXPIRED ROWS",
+            right={"PARALLELISM", "MAX", "SUBTASKS", "HANDLES", "SIZE", "LIVE ROWS",
+                   "EXPIRED ROWS"},
         )
         for op in doc["operators"]:
             table.add_row(
@@ -1093,6 +1115,8 @@ def _inspect(pointer_arg: str, as_json: bool, options: dict) -> int:
                 str(len(op["subtasks"])),
                 str(sum(len(s["handles"]) for s in op["subtasks"])),
                 _size(op["state_size"]),
+                "-" if op["live_rows"] is None else str(op["live_rows"]),
+                "-" if op["expired_rows"] is None else str(op["expired_rows"]),
             )
         print_table(table, indent=2)
     else:

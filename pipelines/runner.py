@@ -76,11 +76,13 @@ __all__ = [
     "SCHEDULED_SAVEPOINTS",
     "BatchListChangedError",
     "CheckpointSummary",
+    "ClaimRefusedError",
     "MissingStateError",
     "PartitionResult",
     "SourcePosition",
     "StatefulRunner",
     "batches_digest",
+    "check_claim",
     "check_restore_from",
     "empty_state",
     "job_id_for",
@@ -171,6 +173,36 @@ class MissingStateError(LookupError):
     """No snapshot holds the state a partition needs to start from."""
 
 
+class ClaimRefusedError(ValueError):
+    """A CLAIM restore of a checkpoint that lies outside the pipeline's own job directory."""
+
+
+def check_claim(
+    access, location: CompletedCheckpointStorageLocation, metadata: CheckpointMetadata,
+    mode: RestoreMode,
+) -> None:
+    """Refuse (``ClaimRefusedError``) a CLAIM of a checkpoint outside ``access``'s job
+    directory. CLAIM hands the snapshot to this job's retention, which deletes it and its
+    shared files once subsumed: state that the job owning that directory still lists and
+    references (its retained checkpoints, later increments), and which this job's
+    checkpoints could not reference (their paths must stay inside this job directory). A
+    savepoint is self-contained and owned by no job: it may be claimed from anywhere."""
+    if RestoreMode(mode) is not RestoreMode.CLAIM or metadata.properties.is_savepoint():
+        return
+    pointer = location.external_pointer.rstrip("/")
+    own = (access.checkpoints_directory or "").rstrip("/")
+    if own and pointer.rsplit("/", 1)[0] == own:
+        return
+    raise ClaimRefusedError(
+        f"restore_from {pointer} in CLAIM mode: the checkpoint is not in this pipeline's job "
+        f"directory {own or '(none configured)'}, so it belongs to another job (another "
+        "pipeline, or another checkpoint directory), whose checkpoints may still reference its "
+        "files; claiming it would let this pipeline's retention delete them. Nothing was run: "
+        "use NO_CLAIM (restore_mode RestoreMode.NO_CLAIM), which copies the state into this "
+        "pipeline's own checkpoints and never deletes the snapshot"
+    )
+
+
 class BatchListChangedError(RuntimeError):
     """A partition's batch list no longer starts with the batches a checkpoint applied: some
     vanished or were reordered after the checkpoint was taken."""
@@ -192,16 +224,19 @@ def _does_not_fit_message(
 
 
 def check_restore_from(
-    storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline
+    storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline,
+    mode: RestoreMode | str = RestoreMode.NO_CLAIM,
 ) -> SourcePosition:
     """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
     to validate and to fit ``partition``; ``MissingStateError`` with a clear message
-    otherwise. Storage only (reads one `_metadata`): run it before any Spark work."""
+    otherwise, ``ClaimRefusedError`` for a CLAIM (``mode``) that ``check_claim`` refuses.
+    Storage only (reads one `_metadata`): run it before any Spark work."""
     partition = pipeline.order.check(partition)
     access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
     try:
         location = access.resolve_checkpoint(pointer)
-        position = SourcePosition.of(location.load_metadata())
+        metadata = location.load_metadata()
+        position = SourcePosition.of(metadata)
     except CheckpointNotFoundError as exc:
         raise MissingStateError(
             f"restore_from {pointer} does not exist (no completed `_metadata` there: {exc}): "
@@ -214,6 +249,7 @@ def check_restore_from(
         raise MissingStateError(
             _does_not_fit_message(location.external_pointer, position, partition, pipeline.order)
         )
+    check_claim(access, location, metadata, RestoreMode(mode))
     return position
 
 
@@ -227,6 +263,11 @@ class CheckpointSummary:
     files_written: int
     inline_states: int
     state_rows: dict[str, int]
+    """Live rows per stage: a keyed stage's expired rows (kept until a materialisation drops
+    them) are in ``expired_rows``, not here."""
+    expired_rows: dict[str, int | None] = field(default_factory=dict)
+    """Rows per stage that the TTL had expired, not dropped yet (0 for a DataFrame stage;
+    None: not known, a keyed state restored from a checkpoint that did not record it)."""
 
 
 @dataclass
@@ -663,7 +704,7 @@ class StatefulRunner:
             PIPELINE_NAME_STATE: self.pipeline.name.encode(),
         }
         operator_states = []
-        state_rows = {}
+        state_rows, expired_rows = {}, {}
         options = self.storage.storage_options if hasattr(self.storage, "storage_options") else {}
         try:
             for stage in self.stages:
@@ -674,7 +715,8 @@ class StatefulRunner:
                                                      location.location_reference)
                     operator_states.append(state.operator_state())
                     master.update(state.master_states())
-                    state_rows[stage.name] = state.rows
+                    expired_rows[stage.name] = state.expired_rows
+                    state_rows[stage.name] = state.rows - (expired_rows[stage.name] or 0)
                     continue
                 schema = to_arrow_schema(state.schema, timezone="UTC")
                 task = StateWriteTask(
@@ -692,7 +734,8 @@ class StatefulRunner:
                 subtasks = {
                     row["subtask"]: OperatorSubtaskState(
                         (handle_from_row(row.asDict(), options),),
-                        {"rows": str(row["rows"]), "attempt": str(row["attempt"])},
+                        {"rows": str(row["rows"]), "expired_rows": "0",
+                         "attempt": str(row["attempt"])},
                     )
                     for row in written
                 }
@@ -702,6 +745,7 @@ class StatefulRunner:
                     OperatorState(stage.name, max(len(written), 1), subtask_states=subtasks)
                 )
                 state_rows[stage.name] = sum(row["rows"] for row in written)
+                expired_rows[stage.name] = 0
                 master[SCHEMA_STATE_PREFIX + stage.name] = schema.serialize().to_pybytes()
             metadata = CheckpointMetadata(
                 checkpoint_id,
@@ -735,6 +779,7 @@ class StatefulRunner:
             len(files),
             len(handles) - len(files),
             state_rows,
+            expired_rows,
         )
         logger.info("completed %s %s at %s", "savepoint" if summary.savepoint else "checkpoint",
                     summary.pointer, position)
@@ -820,6 +865,7 @@ class StatefulRunner:
                     _does_not_fit_message(location.external_pointer, position, partition,
                                           self.order)
                 )
+            check_claim(self.access, location, metadata, mode)
             checkpoint = self.store.restore(location, mode)
             # A claimed savepoint is deleted once subsumed, an unclaimed snapshot belongs to
             # someone else: keyed chains must not go on referencing their files.

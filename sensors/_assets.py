@@ -18,6 +18,7 @@ from checkpoint_storage import (
     verify_checkpoint,
 )
 from pipelines import (
+    CheckpointSummary,
     PartitionResult,
     StatefulPipeline,
     StatefulRunner,
@@ -114,7 +115,9 @@ class StatefulRunConfig(dg.Config):
     restore_mode: RestoreMode = Field(
         default=RestoreMode.NO_CLAIM,
         description="NO_CLAIM: the restored snapshot is never deleted by this pipeline. CLAIM: "
-        "it is handed to retention, which deletes it once newer checkpoints subsume it.",
+        "it is handed to retention, which deletes it once newer checkpoints subsume it (a "
+        "savepoint, or a checkpoint of this pipeline's own job directory; another job's "
+        "checkpoint is refused before any Spark work).",
     )
 
 
@@ -122,6 +125,7 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
     checkpoint = result.checkpoint
     rows = {f"rows_{name}": count for name, count in result.rows.items()}
     state_rows = {f"state_rows_{name}": n for name, n in checkpoint.state_rows.items()}
+    state_rows |= expired_rows_metadata(checkpoint)
     yield dg.AssetMaterialization(
         pipeline.name,
         partition=result.partition,
@@ -152,6 +156,14 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
                 "of": sink.of,
             },
         )
+
+
+def expired_rows_metadata(summary: CheckpointSummary) -> dict:
+    """``expired_rows_<stage>``: rows a keyed stage's TTL expired that the state still holds
+    (``state_rows_<stage>`` counts the live ones); left out where it is not known, so that
+    the entry stays numeric (Dagster plots it)."""
+    return {f"expired_rows_{name}": n for name, n in summary.expired_rows.items()
+            if n is not None}
 
 
 def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
@@ -250,6 +262,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
                 config.restore_from,
                 context.partition_keys[0],
                 pipeline,
+                config.restore_mode,
             )
             mode = RestoreMode(config.restore_mode).value
             context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")

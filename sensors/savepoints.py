@@ -30,7 +30,7 @@ import dagster as dg
 from checkpoint_storage import format_size
 from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
 from resources import CheckpointStorageResource, SparkResource
-from sensors._assets import pool_for, runner_for
+from sensors._assets import expired_rows_metadata, pool_for, runner_for
 from sensors._retained import retained_metadata
 
 __all__ = [
@@ -124,6 +124,7 @@ def build_savepoint_job(pipeline: StatefulPipeline) -> dg.JobDefinition:
                     "files_written": summary.files_written,
                     "inline_states": summary.inline_states,
                     **{f"state_rows_{stage}": n for stage, n in summary.state_rows.items()},
+                    **expired_rows_metadata(summary),
                     **retained_metadata(runner.storage, name),
                 },
             )

@@ -90,6 +90,7 @@ _P_FORMAT = "keyed.format"
 _P_KEY_GROUPS = "keyed.key_groups"
 _P_MATERIALISED = "keyed.materialised"
 _P_ROWS = "rows"  # the same property a DataFrame stage's subtask records
+_P_EXPIRED_ROWS = "expired_rows"  # of those, expired by the TTL and not dropped yet
 
 
 class KeyedStateFormatError(ValueError):
@@ -117,13 +118,18 @@ class KeyedStateChain:
     rows: int | None = None
     """The range's state rows at the end of the chain (expired rows not yet dropped count),
     recorded as the subtask property ``rows`` like a DataFrame stage's; None when unknown."""
+    expired_rows: int | None = None
+    """Of ``rows``, those the stage's TTL had expired when the range's last task ran (they
+    stay until a materialisation drops them), subtask property ``expired_rows``; None when
+    unknown (checkpoints written before it was recorded)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "changes", tuple(self.changes))
 
-    def appended(self, change: StreamStateHandle, rows: int | None = None) -> "KeyedStateChain":
+    def appended(self, change: StreamStateHandle, rows: int | None = None,
+                 expired_rows: int | None = None) -> "KeyedStateChain":
         return KeyedStateChain(self.key_groups, self.materialisation, (*self.changes, change),
-                               rows)
+                               rows, expired_rows)
 
     @property
     def handles(self) -> tuple[StreamStateHandle, ...]:
@@ -138,6 +144,8 @@ class KeyedStateChain:
         }
         if self.rows is not None:
             properties[_P_ROWS] = str(self.rows)
+        if self.expired_rows is not None:
+            properties[_P_EXPIRED_ROWS] = str(self.expired_rows)
         return OperatorSubtaskState(self.handles, properties)
 
     @classmethod
@@ -154,14 +162,21 @@ class KeyedStateChain:
             key_groups = KeyGroupRange.parse(properties.get(_P_KEY_GROUPS, ""))
         except ValueError as exc:
             raise KeyedStateFormatError(f"{where}: {exc}") from exc
-        try:
-            rows = None if _P_ROWS not in properties else int(properties[_P_ROWS])
-        except ValueError as exc:
-            raise KeyedStateFormatError(f"{where}: invalid {_P_ROWS}={properties[_P_ROWS]!r}"
-                                        ) from exc
+        rows, expired = (_count_property(properties, name, where)
+                         for name in (_P_ROWS, _P_EXPIRED_ROWS))
         if materialised == "true":
-            return cls(key_groups, state.handles[0], state.handles[1:], rows)
-        return cls(key_groups, None, state.handles, rows)
+            return cls(key_groups, state.handles[0], state.handles[1:], rows, expired)
+        return cls(key_groups, None, state.handles, rows, expired)
+
+
+def _count_property(properties: dict, name: str, where: str) -> int | None:
+    """A row count recorded as a subtask property; None when it was not recorded."""
+    if name not in properties:
+        return None
+    try:
+        return int(properties[name])
+    except ValueError as exc:
+        raise KeyedStateFormatError(f"{where}: invalid {name}={properties[name]!r}") from exc
 
 
 def chains_to_operator_state(operator_id: str, max_parallelism: int,

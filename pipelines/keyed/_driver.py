@@ -76,6 +76,14 @@ class KeyedStageState:
         return sum(chain.rows or 0 for chain in self.chains)
 
     @property
+    def expired_rows(self) -> int | None:
+        """Of ``rows``, those expired by the TTL and not dropped yet, as each range's last
+        task counted them; None when a chain does not know (restored from a checkpoint
+        written before they were counted, and not run since)."""
+        counts = [chain.expired_rows for chain in self.chains if chain.rows != 0]
+        return None if None in counts else sum(counts)
+
+    @property
     def layout(self) -> KeyedStateLayout:
         return KeyedStateLayout.of(self.stage, self.max_parallelism)
 
@@ -97,7 +105,8 @@ class KeyedStageState:
 
 
 def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain, ...]:
-    return tuple(KeyedStateChain(r.key_groups, r.handle, (), r.state_rows) for r in results)
+    return tuple(KeyedStateChain(r.key_groups, r.handle, (), r.state_rows, r.expired_rows)
+                 for r in results)
 
 
 class KeyedStageDriver:

@@ -115,6 +115,7 @@ _RESULT_SCHEMA = pa.schema([
     ("input_rows", pa.int64()),
     ("rows", pa.int64()),  # rows in the written file
     ("state_rows", pa.int64()),  # the range's state rows after it
+    ("expired_rows", pa.int64()),  # of those, expired by the ttl at the task's cutoff
     ("output_rows", pa.int64()),  # the range's output rows this batch
     ("rebuilt", pa.bool_()),
     ("rebuild_rows", pa.int64()),
@@ -645,6 +646,8 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
             store.apply(upserts, result.deletes,
                         version=chain_version(key_groups, [chain.appended(change)]))
             stats["state_rows"] = store.num_rows
+            # at this batch's cutoff, while the store is open: one vectorised comparison
+            stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
         finally:
             store.close()
     if task.after_write is not None:
@@ -709,6 +712,7 @@ class KeyedRangeResult:
     rebuild_seconds: float
     state_rows: int
     output_rows: int = 0
+    expired_rows: int = 0  # of state_rows, expired at the task's cutoff (not dropped yet)
 
 
 @dataclass(frozen=True)
@@ -759,7 +763,7 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
             index, task.key_groups(index), StateHandleRef(**ref).handle(options),
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
             bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
-            row["state_rows"] or 0, row["output_rows"] or 0)
+            row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0)
     return [results[i] for i in sorted(results)]
 
 
@@ -827,8 +831,10 @@ def extend_chains(chains: Sequence[KeyedStateChain],
             raise ValueError(f"range {result.operator_index}: result of key groups "
                              f"{result.key_groups} for a chain of {chain.key_groups}")
         chains[result.operator_index] = (
-            chain.appended(result.handle, result.state_rows) if result.kind == _CHANGE
-            else KeyedStateChain(result.key_groups, result.handle, (), result.state_rows))
+            chain.appended(result.handle, result.state_rows, result.expired_rows)
+            if result.kind == _CHANGE
+            else KeyedStateChain(result.key_groups, result.handle, (), result.state_rows,
+                                 result.expired_rows))
     return chains
 
 
@@ -921,6 +927,7 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool,
             if task.after_write is not None:
                 task.after_write(operator_index, attempt)
             stats["state_rows"] = written[0]
+            stats["expired_rows"] = 0  # the snapshot leaves expired rows out
             row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, written[0],
                               stats)
             yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)

@@ -102,6 +102,11 @@ class KeyedStateStore(ABC):
         change file, so that a replay drops them too)."""
 
     @abstractmethod
+    def expired_rows(self, cutoff) -> int:
+        """How many of the ``num_rows`` rows the stage's TTL expired by ``cutoff`` (kept until
+        a materialisation drops them); 0 without a TTL."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
     @abstractmethod
@@ -524,6 +529,30 @@ class ArrowKeyedStateStore(KeyedStateStore):
             removed = np.concatenate([[0], np.cumsum(expired)])[offsets]
             self._write_segment(table.filter(pa.array(~expired)), offsets - removed, version)
         return keys
+
+    def expired_rows(self, cutoff) -> int:
+        # One vectorised comparison over the memory-mapped segment's TTL column (the rows the
+        # runs replaced left out) and over the runs' newest upserts: no merge, no copy.
+        if self.layout.ttl is None:
+            return 0
+        expired = self.layout.ttl.expired
+        count = 0
+        if self._segment.num_rows:
+            in_segment = _numpy(expired(self._segment, cutoff))
+            if self._runs:
+                changes = self._latest_changes()
+                hashes = _numpy(changes.column(_HASH)) if changes.num_rows else \
+                    np.zeros(0, np.uint64)
+                replaced, _ = self._find_in_segment(changes.select(list(self.layout.key)),
+                                                    hashes)
+                in_segment[replaced] = False
+            count += int(in_segment.sum())
+        elif self._runs:
+            changes = self._latest_changes()
+        if self._runs and changes.num_rows:
+            upserted = ~_numpy(changes.column(_DELETED))
+            count += int((_numpy(expired(changes, cutoff)) & upserted).sum())
+        return count
 
     def close(self) -> None:
         self._segment = self._segment_schema.empty_table()  # releases the memory map

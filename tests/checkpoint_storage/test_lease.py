@@ -65,7 +65,7 @@ def test_a_second_coordinator_fails_at_once_naming_the_holder(backend):
 
     assert ("run-A", 1) == (raised.value.holder, raised.value.epoch)
     assert "run-A" in str(raised.value) and "checkpoints lease break" in str(raised.value)
-    assert elapsed < 5
+    assert elapsed < 15  # at once, not after a wait (generous: a loaded machine, S3 mock)
 
 
 def test_each_commit_records_the_fencing_epoch_and_epochs_only_grow(backend):
@@ -95,7 +95,7 @@ def test_waiting_acquires_once_the_holder_releases(backend):
         epoch = taken.epoch
 
     assert 2 == epoch
-    assert 0.4 < waited < 5
+    assert 0.4 < waited < 10  # after the release, within the wait (a loaded machine)
 
 
 def test_an_expired_lease_is_taken_over_and_its_holder_cannot_publish(backend):
@@ -139,8 +139,9 @@ def test_a_stale_holder_that_thinks_it_is_valid_is_fenced_by_the_newer_epoch(bac
 def test_the_renewal_thread_keeps_the_lease_beyond_its_ttl(backend):
     """With auto_renew the lease stays valid and held for several ttls; a commit works."""
     a, b = _coordinators(backend)
-    with a.acquire_job_lease("A", ttl=2.0) as lease:
-        time.sleep(4.5)
+    # A ttl of 5 s renewed every 1.7 s: a renewal may be late by 3 s on a loaded machine.
+    with a.acquire_job_lease("A", ttl=5.0) as lease:
+        time.sleep(11)
         with pytest.raises(JobLeaseHeldError):
             b.acquire_job_lease("B")
         completed = _commit(a)

@@ -106,9 +106,25 @@ def storage_of(work: Path, merging: bool = False, kind=FileSystemCheckpointStora
 def crash(point: str) -> None:
     """SIGKILL the driver's process group, then this process's (a Python worker's: the
     PySpark daemon and its workers have their own group, and hold the driver's stdout)."""
-    Path(os.environ[KILLED_ENV]).write_text(point)
+    write_marker(Path(os.environ[KILLED_ENV]), point)
     os.killpg(int(os.environ[PGID_ENV]), signal.SIGKILL)
     os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def write_marker(marker: Path, point: str) -> None:
+    """Publish ``point`` at ``marker`` whole, first writer wins: two tasks can reach the kill
+    point at once, and one's kill can land between another's open and write (``write_text``
+    truncates first, so the marker read back empty). Written under a name of its own, then
+    linked into place (fails if the marker exists), so the marker never holds part of it."""
+    own = marker.with_name(f".{marker.name}.{os.getpid()}")
+    with open(own, "w") as out:  # this process's own name: nobody else writes it
+        out.write(point)
+    try:
+        os.link(own, marker)
+    except FileExistsError:
+        pass  # another task got there first with the same point: it is killing us all
+    finally:
+        own.unlink()
 
 
 class _KillingStream:

@@ -120,6 +120,24 @@ def assert_exactly_once(runner: StatefulRunner, work: Path, done: list[str],
     assert referenced_files(runner) == shared_files(work, runner)
 
 
+@pytest.mark.timeout(60)
+def test_the_kill_marker_is_whole_or_absent_and_the_first_writer_wins(tmp_path):
+    """Two tasks reaching the kill point at once: one killed while publishing the marker
+    leaves none (never an empty one), the next publishes it whole, and a later writer does
+    not rewrite it (``write_text`` truncated it first: the marker was read back empty)."""
+    marker = tmp_path / "killed"
+    child = os.fork()
+    if child == 0:  # a writer killed right before its marker would be in place
+        os.link = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        driver.write_marker(marker, "first")
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    killed = (os.WIFSIGNALED(status), marker.exists())
+    driver.write_marker(marker, "second")
+    driver.write_marker(marker, "third")
+    assert ((True, False), "second") == (killed, marker.read_text())
+
+
 # The driver's run of p1 (4 batches) at parallelism 2: change files of batches 0 and 1 go to
 # chk-1, taken after batch 1; the second interval starts by materialising both ranges (2
 # change files each) into chk-2, then batches 2 and 3 write their change files into it, then

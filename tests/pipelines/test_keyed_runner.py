@@ -2,12 +2,14 @@
 keyed stage, checked against a dict recomputation across checkpoints, restarts, rescaling,
 savepoints, NO_CLAIM restores and retention."""
 
+import datetime as dt
+import json
 import os
 import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import dagster as dg
@@ -20,6 +22,7 @@ from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode, is_appended_segment
 from pipelines import (
+    ClaimRefusedError,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
@@ -27,6 +30,7 @@ from pipelines import (
     Source,
     StatefulPipeline,
     StatefulRunner,
+    StateTtl,
     read_state,
 )
 from pipelines.keyed import compute_key_group_range_for_operator_index
@@ -216,6 +220,38 @@ def test_a_savepoint_is_self_contained_parquet_and_restores(spark, tmp_path):
     assert set() == referenced & {p.name for p in files}
 
 
+def test_claim_of_another_pipelines_checkpoint_is_refused_before_any_batch(spark, tmp_path):
+    """CLAIM of a checkpoint in another pipeline's job directory fails before any batch runs
+    (no batch applied, no checkpoint, no sink output, the checkpoint kept), saying to use
+    NO_CLAIM; NO_CLAIM of it works, and a savepoint may be claimed from anywhere."""
+    owner = runner_of(spark, tmp_path)
+    owner.run(["p1"])
+    pointer = owner.store.latest().external_pointer
+    savepoint = owner.take_savepoint()
+    applied = []
+
+    def other(name):
+        pipeline = replace(totals_pipeline(tmp_path / name, max_retained_checkpoints=1),
+                           name=name)
+        return runner_of(spark, tmp_path, pipeline,
+                         fault_hook=lambda point, **info: applied.append((name, point)))
+
+    claiming = other("claiming_totals")
+    with pytest.raises(ClaimRefusedError, match="use NO_CLAIM") as refused:
+        claiming.run(["p2"], restore_from=pointer, restore_mode=RestoreMode.CLAIM)
+    assert ([], None, False, True) == (
+        applied, claiming.access.latest_completed_checkpoint(),
+        (tmp_path / "claiming_totals").exists(), os.path.exists(f"{pointer}/_metadata"))
+    assert pointer in str(refused.value)
+
+    copying = other("copying_totals")
+    copying.run(["p2"], restore_from=pointer, restore_mode=RestoreMode.NO_CLAIM)
+    claiming.run(["p2"], restore_from=savepoint.pointer, restore_mode=RestoreMode.CLAIM)
+    assert (expected(["p1", "p2"]), expected(["p1", "p2"]), True, False) == (
+        state_of(copying), state_of(claiming), os.path.exists(f"{pointer}/_metadata"),
+        os.path.exists(savepoint.pointer))
+
+
 def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, tmp_path):
     """After a NO_CLAIM restore of a checkpoint, the first checkpoint references none of the
     restored checkpoint's files (its ranges are materialised first)."""
@@ -247,6 +283,72 @@ def test_the_job_directory_holds_only_what_retained_checkpoints_reference(spark,
     assert expected(["p1", "p2", "p3"]) == state_of(runner)
     chains = runner.store.latest().metadata.operator_states[0].subtask_states.values()
     assert all(len(c.handles) <= 3 for c in chains)
+
+
+T0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
+SEEN = pa.schema([pa.field("customer", pa.string(), nullable=False), ("orders", pa.int64()),
+                  ("last", pa.timestamp("us", "UTC"))])
+
+
+@dataclass(frozen=True)
+class TimedOrders(Source):
+    """Batch 0: customers c0..c39 order at T0; batch 1: c0..c19 again at T0 + 2 h."""
+
+    def batches(self, spark, partition):
+        return [f"{partition}-0", f"{partition}-1"]
+
+    def read(self, spark, partition, batch):
+        first = batch.endswith("-0")
+        at = T0 if first else T0 + dt.timedelta(hours=2)
+        return spark.createDataFrame([(f"c{i}", at) for i in range(40 if first else 20)],
+                                     "customer string, ts timestamp")
+
+
+def last_seen(input: pa.Table, state: pa.Table) -> KeyedResult:
+    batch = input.group_by("customer").aggregate([([], "count_all"), ("ts", "max")])
+    joined = batch.join(state, "customer", join_type="left outer")
+    upserts = pa.table({
+        "customer": joined.column("customer"),
+        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
+        "last": joined.column("ts_max"),
+    }, schema=SEEN)
+    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
+
+
+def test_live_and_expired_rows_are_reported_apart(spark, tmp_path):
+    """A one-hour event-time TTL, the clock at T0 + 2 h: the 20 customers last seen at T0
+    expired but stay in the state (no materialisation drops them). The checkpoint summary,
+    the Dagster materialization (state_rows_/expired_rows_) and `checkpoints inspect` (table
+    and --json) report 20 live and 20 expired rows, as counted from the batches."""
+    from sensors._assets import _materializations
+    from tests.test_cli import run
+
+    stage = KeyedStage("seen", "customer", SEEN, last_seen, event_time="ts",
+                       ttl=StateTtl(dt.timedelta(hours=1), timestamp_column="last"))
+    pipeline = StatefulPipeline(
+        name="timed_totals", stages=[stage], source=TimedOrders(), partitions=PARTITIONS,
+        checkpoint_interval=10, max_parallelism=16, keyed_parallelism=2,
+        materialisation=MaterialisationPolicy(every=100, min_bytes=0))
+    (result,) = runner_of(spark, tmp_path, pipeline).run(["p1"])
+    cutoff = T0 + dt.timedelta(hours=2) - dt.timedelta(hours=1)
+    last = {f"c{i}": T0 + dt.timedelta(hours=2 if i < 20 else 0) for i in range(40)}
+    live = sum(t >= cutoff for t in last.values())
+    expired = len(last) - live
+
+    (state_event,) = [e for e in _materializations(pipeline, result, {})
+                      if e.asset_key.path == ["timed_totals"]]
+    pointer = result.checkpoint.pointer
+    table = run("inspect", pointer).stdout
+    (operator,) = json.loads(run("inspect", pointer, "--json").stdout)["operators"]
+    row = next(line.split() for line in table.splitlines() if line.strip().startswith("seen "))
+    assert ((20, 20), (live, expired), (live, expired), (live, expired), (live, expired)) == (
+        (live, expired),
+        (result.checkpoint.state_rows["seen"], result.checkpoint.expired_rows["seen"]),
+        (state_event.metadata["state_rows_seen"].value,
+         state_event.metadata["expired_rows_seen"].value),
+        (operator["live_rows"], operator["expired_rows"]),
+        (int(row[-2]), int(row[-1])))
+    assert "LIVE ROWS" in table and "EXPIRED ROWS" in table
 
 
 def test_inline_change_files_restore(spark, tmp_path):

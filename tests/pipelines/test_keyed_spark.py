@@ -433,6 +433,21 @@ def test_idle_local_stores_of_any_job_are_swept_at_most_hourly(tmp_path):
         first, second, remaining, (root / "job-a").exists(), third)
 
 
+def _wait_for_blocked_flock(path: Path, timeout: float = 30) -> None:
+    """Until a process waits for a flock of ``path``: /proc/locks lists a blocked request as
+    ``-> FLOCK ... <major>:<minor>:<inode> ...``."""
+    inode = os.stat(path).st_ino
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "->" in fields and fields[fields.index("->") + 1] == "FLOCK" \
+                    and any(f.endswith(f":{inode}") for f in fields):
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"nobody waited for the lock of {path} within {timeout} s")
+
+
 @pytest.mark.timeout(60)
 def test_a_lock_taken_on_a_swept_lock_file_is_taken_again(tmp_path):
     """A task that waited for a store's lock while a sweep removed the store and unlinked its
@@ -448,7 +463,10 @@ def test_a_lock_taken_on_a_swept_lock_file_is_taken_again(tmp_path):
 
     thread = threading.Thread(target=waiter)
     thread.start()
-    time.sleep(0.5)  # the waiter opened the old lock file and waits in flock
+    # The waiter opened the old lock file and waits in flock (not a sleep: a slow start
+    # would open the new file instead, and the test would not test the swept one).
+    lock_file = store.with_name(store.name + ".lock")
+    _wait_for_blocked_flock(lock_file)
     shutil.rmtree(store)
     store.with_name(store.name + ".lock").unlink()
     sweeper.__exit__(None, None, None)

@@ -16,6 +16,7 @@ from checkpoint_storage import (
     FileStateHandle,
     FileSystemCheckpointStorage,
     JobID,
+    OperatorSubtaskState,
     StandaloneCompletedCheckpointStore,
     load_checkpoint_metadata,
     store_checkpoint_metadata,
@@ -241,6 +242,23 @@ def test_chains_round_trip_through_metadata(job):
     assert chains == chains_from_operator_state(loaded.operator_states[0])
 
 
+def test_expired_rows_round_trip_and_are_unknown_where_not_recorded():
+    """A chain's rows and expired rows are subtask properties that load back; a chain of a
+    checkpoint written before expired rows were recorded loads with them unknown (None), not
+    0, and a malformed count is refused naming the property."""
+    recorded = KeyedStateChain(ALL, None, (), 40, 20)
+    state = recorded.to_subtask_state()
+    older = OperatorSubtaskState(state.handles, {k: v for k, v in state.properties.items()
+                                                 if k != "expired_rows"})
+    bad = OperatorSubtaskState(state.handles, state.properties | {"expired_rows": "x"})
+
+    loaded = [KeyedStateChain.from_subtask_state(s, "here") for s in (state, older)]
+
+    assert [(40, 20), (40, None)] == [(c.rows, c.expired_rows) for c in loaded]
+    with pytest.raises(KeyedStateFormatError, match="here: invalid expired_rows='x'"):
+        KeyedStateChain.from_subtask_state(bad, "here")
+
+
 def test_chains_refuse_ranges_that_are_not_the_subtasks(job):
     """Chain i must cover subtask i's key groups, else the operator state is refused."""
     with pytest.raises(ValueError, match="chain 0 covers key groups 0-7, but subtask 0 of 2"):
@@ -334,6 +352,30 @@ def test_event_time_expiry_hides_and_drops_expired_keys(tmp_path):
     assert {"new": 100} == as_model(visible)
     assert [{"user": "old"}] == dropped.to_pylist()
     assert {"new": 100} == store_state(store)
+
+
+def test_expired_rows_counts_what_the_ttl_expired_in_the_segment_and_the_runs(tmp_path):
+    """``expired_rows`` equals an independent count of the expired keys, the segment's rows
+    that runs replaced or deleted left out and the runs' upserts counted, and is 0 once
+    ``drop_expired`` dropped them."""
+    layout = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM,
+                              StateTtl(dt.timedelta(seconds=10), timestamp_column="seen"))
+    store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL, min_merge_rows=10**6)
+    model = {f"u{i}": i % 100 for i in range(3000)}
+    store.load(rows(model))
+    changed = {f"u{i}": (i * 7) % 100 for i in range(0, 3000, 3)}  # some expire, some revive
+    gone = [f"u{i}" for i in range(1, 3000, 5) if f"u{i}" not in changed]
+    store.apply(rows(changed), pa.table({"user": gone}))
+    store.apply(rows({"new": 5, "newer": 95}), NO_KEYS)
+    model = {k: v for k, v in (model | changed | {"new": 5, "newer": 95}).items()
+             if k not in gone}
+    cutoff = layout.ttl.cutoff(T0 + dt.timedelta(seconds=50))  # seen before T0 + 40 s
+
+    counted = store.expired_rows(cutoff)
+    store.drop_expired(cutoff)
+
+    assert (sum(v < 40 for v in model.values()), len(model), 0) == (
+        counted, store.num_rows + counted, store.expired_rows(cutoff))
 
 
 def test_processing_time_expiry_keeps_the_write_time_as_state(tmp_path, job):

@@ -25,6 +25,7 @@ from checkpoint_storage import (
     RestoreMode,
 )
 from pipelines import (
+    ClaimRefusedError,
     MissingStateError,
     PartitionResult,
     SourcePosition,
@@ -572,19 +573,19 @@ def test_run_continues_from_a_savepoint_in_a_fresh_checkpoint_directory(
     )
 
 
-@pytest.mark.parametrize(
-    ("mode", "kept"), [(RestoreMode.CLAIM, False), (RestoreMode.NO_CLAIM, True)]
-)
-def test_restore_mode_decides_whether_retention_deletes_the_restored_checkpoint(
-    spark, landing, baseline, tmp_path, mode, kept
+def test_no_claim_never_deletes_the_restored_checkpoint_and_claim_of_it_is_refused(
+    spark, landing, baseline, tmp_path
 ):
-    """Restoring from a checkpoint elsewhere: CLAIM lets retention delete it once subsumed,
-    NO_CLAIM never does."""
+    """Restoring from a checkpoint in another checkpoint directory: NO_CLAIM never deletes it,
+    even once retention dropped it from the store; CLAIM of it (it is not in this pipeline's
+    job directory, so another job owns it) is refused before anything runs."""
     source = baseline.copy_through(tmp_path / "source", D3)
     pointer = str(source / "chk" / JOB / Path(baseline.pointers[mid_of(D3)]).name)
     runner = make_runner(spark, tmp_path / "new", landing, max_retained=1)
-    (result,) = runner.run([D3], restore_from=pointer, restore_mode=mode)
-    assert ((pointer, BATCHES - INTERVAL), kept, [end_of(D3)]) == (
+    with pytest.raises(ClaimRefusedError, match="use NO_CLAIM"):
+        runner.run([D3], restore_from=pointer, restore_mode=RestoreMode.CLAIM)
+    (result,) = runner.run([D3], restore_from=pointer, restore_mode=RestoreMode.NO_CLAIM)
+    assert ((pointer, BATCHES - INTERVAL), True, [end_of(D3)]) == (
         (result.restored_from, result.batches_applied),
         os.path.exists(pointer),
         [SourcePosition.of(c.metadata) for c in runner.store.all()],

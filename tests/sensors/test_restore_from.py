@@ -2,10 +2,11 @@
 range fails the run before any Spark work, with a message that says why."""
 
 from functools import cached_property
+from pathlib import Path
 
 import dagster as dg
 
-from pipelines import SourcePosition
+from pipelines import SourcePosition, job_id_for
 from resources import SparkResource
 from tests.pipelines.support import click_pipeline
 from tests.sensors.conftest import materialize_range, pipeline_access, resources_for
@@ -79,3 +80,23 @@ def test_restore_from_that_fits_gets_as_far_as_spark(tmp_path):
             pipeline=click_pipeline(tmp_path), restore_from=pointer,
         )  # fmt: skip
     assert f"AssertionError: {SPARK_GUARD}" == failure_message(result)
+
+
+def test_claim_of_another_pipelines_checkpoint_fails_before_spark(tmp_path):
+    """restore_mode CLAIM of a checkpoint in another pipeline's job directory fails the run
+    with ClaimRefusedError saying to use NO_CLAIM, before any Spark work; the checkpoint stays.
+    """
+    resources = resources_for(tmp_path, spark_resource=NoSpark())
+    storage = resources["checkpoint_storage"].checkpoint_storage()
+    other = storage.create_checkpoint_storage(job_id_for("another_pipeline"))
+    other.initialize_base_locations()
+    pointer = snapshot(other, 4, SourcePosition("2026-10-01", 2, True))
+    with dg.instance_for_test() as instance:
+        result = materialize_range(
+            instance, resources, "2026-10-02", "2026-10-02",
+            pipeline=click_pipeline(tmp_path), restore_from=pointer, restore_mode="CLAIM",
+        )  # fmt: skip
+    message = failure_message(result)
+    assert message.startswith(f"pipelines.runner.ClaimRefusedError: restore_from {pointer}")
+    assert ("use NO_CLAIM" in message, SPARK_GUARD in message) == (True, False)
+    assert Path(pointer, "_metadata").is_file()

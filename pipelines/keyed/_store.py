@@ -169,6 +169,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
         if manifest.exists():
             self._load(manifest)
         else:
+            if _only_store_files(self.directory):
+                raise LocalStoreError(f"local store {self.directory}: {manifest} is missing "
+                                      "(the store's files are there); rebuild it from the "
+                                      "checkpoint chain")
             if self.directory.exists() and any(self.directory.iterdir()):
                 raise LocalStoreError(f"{self.directory} is not empty and holds no local store "
                                       f"({_MANIFEST}); give the store a directory of its own")
@@ -724,13 +728,26 @@ def _numpy(column: pa.ChunkedArray) -> np.ndarray:
             ).to_numpy(zero_copy_only=False)
 
 
+def _only_store_files(directory: Path) -> bool:
+    """Whether ``directory`` holds store files (segments, runs, manifest temporaries) and
+    nothing else: a store whose manifest was lost."""
+    try:
+        names = [entry.name for entry in directory.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return bool(names) and all(_FILE_NAME.fullmatch(name)
+                               or name.startswith(f".{_MANIFEST}.") for name in names)
+
+
 def remove_store(directory: str | os.PathLike) -> None:
     """Delete a local store's directory, whatever state it holds. A directory that is not a
-    store (no manifest, not empty) is refused: a misconfigured path must not lose files."""
+    store (no manifest, not empty, and not only store files) is refused: a misconfigured path
+    must not lose files."""
     directory = Path(directory)
     if not directory.exists():
         return
-    if not (directory / _MANIFEST).exists() and any(directory.iterdir()):
+    if (not (directory / _MANIFEST).exists() and any(directory.iterdir())
+            and not _only_store_files(directory)):
         raise LocalStoreError(f"{directory} is not a local keyed-state store (no {_MANIFEST}) "
                               "and is not empty; refusing to delete it: point the store "
                               "directory elsewhere")

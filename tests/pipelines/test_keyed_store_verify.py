@@ -15,7 +15,7 @@ import pytest
 from pyspark import cloudpickle
 
 from pipelines import MaterialisationPolicy, StatefulRunner, read_state
-from pipelines.keyed import ArrowKeyedStateStore, LocalStoreError, _store
+from pipelines.keyed import ArrowKeyedStateStore, LocalStoreError, _store, remove_store
 from tests.pipelines.test_keyed_runner import (
     GeneratedOrders,
     storage_of,
@@ -115,6 +115,16 @@ def test_a_deleted_file_is_refused(store_dir):
     run.unlink()
 
     assert "is missing" in reopen_fails_naming(store_dir, run)
+
+
+def test_a_deleted_manifest_is_refused_and_the_store_can_be_rebuilt(store_dir, tmp_path):
+    """Without its manifest, a directory of store files is a store that lost it: refused,
+    and removable by the rebuild (a directory with other files still is not)."""
+    (store_dir / "MANIFEST.json").unlink()
+
+    assert "is missing" in reopen_fails_naming(store_dir, store_dir / "MANIFEST.json")
+    remove_store(store_dir)
+    assert not store_dir.exists()
 
 
 def test_a_manifest_with_a_wrong_checksum_for_a_file_is_refused(store_dir):

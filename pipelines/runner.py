@@ -933,9 +933,15 @@ def _rebuild_notes(stage: str, ranges) -> list[str]:
     rebuilt = [r for r in ranges if r.rebuilt]
     if not rebuilt:
         return []
+    damaged = [r for r in rebuilt if r.damage]
+    for result in damaged:  # the executor logged it too, in its own log
+        logger.warning("keyed stage %s, range %d (key groups %s): %s; the local store was "
+                       "rebuilt from the checkpoint", stage, result.operator_index,
+                       result.key_groups, result.damage)
     return [f"{stage}: rebuilt {len(rebuilt)} local store(s) from the checkpoint "
             f"({sum(r.rebuild_rows for r in rebuilt)} rows, "
-            f"{max(r.rebuild_seconds for r in rebuilt):.1f} s)"]
+            f"{max(r.rebuild_seconds for r in rebuilt):.1f} s"
+            + (f", {len(damaged)} damaged or unreadable" if damaged else "") + ")"]
 
 
 def _checkpoint_line(summary: CheckpointSummary) -> str:

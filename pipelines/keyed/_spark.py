@@ -120,6 +120,7 @@ _RESULT_SCHEMA = pa.schema([
     ("rebuilt", pa.bool_()),
     ("rebuild_rows", pa.int64()),
     ("rebuild_seconds", pa.float64()),
+    ("damage", pa.string()),  # why the local store could not be used (None: it could)
     ("newest", pa.int64()),  # the batch's newest event time, microseconds since the epoch
     *[(f.name, t) for f, t in zip(fields(StateHandleRef), (
         pa.string(), pa.string(), pa.int64(), pa.int64(), pa.binary(), pa.string(), pa.int64(),
@@ -423,17 +424,23 @@ def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Pa
     """The range's local store holding exactly the shipped chains' state, rebuilt if not."""
     layout, sources = task.layout, task.sources(key_groups)
     version = chain_version(key_groups, sources)
+    damage = None
     try:
         store = ArrowKeyedStateStore(directory, layout, key_groups)
+        # a stale store (or a stale copy of one) holds another chain's digest: rebuilt
         if store.version == version:
             return store
         store.close()
-    except LocalStoreError:
-        pass
+    except LocalStoreError as exc:
+        damage = str(exc)  # damaged, unverifiable (an older format) or another stage's
     started = time.perf_counter()
     store = rebuild_store(directory, layout, key_groups, sources, version)
     stats.update(rebuilt=True, rebuild_rows=store.num_rows,
-                 rebuild_seconds=time.perf_counter() - started)
+                 rebuild_seconds=time.perf_counter() - started, damage=damage)
+    if damage is not None:
+        logger.warning("keyed stage %s, key groups %s: the local store was unusable and has "
+                       "been rebuilt from the checkpoint: %s", task.stage.name, key_groups,
+                       damage)
     return store
 
 
@@ -713,6 +720,7 @@ class KeyedRangeResult:
     state_rows: int
     output_rows: int = 0
     expired_rows: int = 0  # of state_rows, expired at the task's cutoff (not dropped yet)
+    damage: str | None = None  # why the local store was unusable (damaged), naming the file
 
 
 @dataclass(frozen=True)
@@ -763,7 +771,8 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
             index, task.key_groups(index), StateHandleRef(**ref).handle(options),
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
             bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
-            row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0)
+            row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0,
+            row["damage"])
     return [results[i] for i in sorted(results)]
 
 

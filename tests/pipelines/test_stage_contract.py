@@ -24,6 +24,7 @@ from pipelines import (
     StatefulPipeline,
     StatefulRunner,
 )
+from pipelines.main import error_summary
 from pipelines.runner import error_line
 from sensors import build_stateful_assets
 from tests.pipelines.support import resources_for
@@ -235,7 +236,8 @@ def test_a_py4j_error_is_reduced_to_the_workers_exception_line():
 
 @pytest.mark.timeout(300)
 def test_the_dagster_step_failure_carries_the_one_line(spark, tmp_path):
-    """Run through Dagster, the step fails with the StageError: its message is the line."""
+    """Run through Dagster, the step fails with the StageError: its message is the line, and
+    the line scripts/run prints."""
     spec = pipeline(Stage("boom", STATE, raising_in_worker))
     with dg.instance_for_test() as instance:
         result = dg.materialize([build_stateful_assets(spec)], instance=instance,
@@ -247,3 +249,5 @@ def test_the_dagster_step_failure_carries_the_one_line(spark, tmp_path):
     assert not result.success
     assert (f"pipelines.runner.StageError: {BATCH_1.format('boom')}ValueError: bad row k=a"
             == error.cause.message.strip())
+    # what scripts/run prints of it
+    assert f"StageError: {BATCH_1.format('boom')}ValueError: bad row k=a" == error_summary(error)

@@ -26,7 +26,14 @@ from pipelines import SourcePosition, job_id_for
 from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
 from sensors import RetainedSnapshot, retained_snapshots
 
-__all__ = ["backfill_command", "main", "next_partitions", "parse_args", "print_retained"]
+__all__ = [
+    "backfill_command",
+    "error_summary",
+    "main",
+    "next_partitions",
+    "parse_args",
+    "print_retained",
+]
 
 DEFAULT_DAYS = 3
 # Spark's own console: errors only, without the banner of its default logging profile.
@@ -141,15 +148,38 @@ def backfill_command(
 # --- the console -------------------------------------------------------------------------
 
 
+def error_summary(error) -> str:
+    """One line for a Dagster error (a ``SerializableErrorInfo``): the first line of the
+    error user code raised, below Dagster's own wrappers (e.g. a ``StageError``: pipeline,
+    stage, partition, batch and the original error), without its module path; the stack
+    traces stay in the run's event log."""
+    while error.cause is not None and error.cls_name.startswith("Dagster"):
+        error = error.cause
+    lines = [line for line in error.message.strip().splitlines() if line.strip()]
+    first = lines[0] if lines else error.cls_name
+    qualified, separator, rest = first.partition(": ")
+    if separator and qualified.endswith(error.cls_name):
+        return f"{error.cls_name}: {rest}"
+    return first
+
+
 class _ProgressFormatter(logging.Formatter):
     """``HH:MM:SS  message``: the message as the step logged it, without Dagster's job, run
-    id and step prefix; warnings and errors keep Dagster's full text (it carries the error)."""
+    id and step prefix; warnings keep Dagster's full text, a failure is one line (Dagster's
+    message and the error's ``error_summary``: its traces are in the run's event log)."""
 
     def format(self, record: logging.LogRecord) -> str:
         meta = getattr(record, "dagster_meta", None) or {}
         message = record.getMessage()
         if record.levelno < logging.WARNING and meta.get("orig_message"):
             message = meta["orig_message"]
+        event = meta.get("dagster_event")
+        error = getattr(getattr(event, "event_specific_data", None), "error", None)
+        if getattr(event, "event_type_value", None) == "RUN_FAILURE" and getattr(
+                error, "cls_name", None) == "DagsterExecutionStepExecutionError":
+            error = None  # the failed step's line said it
+        if record.levelno >= logging.ERROR and error is not None:
+            message = f"{meta.get('orig_message') or ''} {error_summary(error)}".strip()
         stamp = dt.datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
         level = "" if record.levelno < logging.WARNING else f"{record.levelname}: "
         return f"{stamp}  {level}{message}"
@@ -261,8 +291,9 @@ def _print_run(result, name: str) -> None:
     if not result.success:
         for event in result.all_events:
             if event.event_type_value == "STEP_FAILURE":
-                error = event.event_specific_data.error
-                print(f"  {(error.cause or error).message.strip()}")
+                print(f"  {error_summary(event.event_specific_data.error)}")
+        print(f"  Full traceback: the run's page in the Dagster UI (run {result.run_id}; how to "
+              "open it is below)")
 
 
 def print_retained(snapshots: list[RetainedSnapshot], now: dt.datetime) -> None:

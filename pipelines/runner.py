@@ -80,6 +80,7 @@ __all__ = [
     "MissingStateError",
     "PartitionResult",
     "SourcePosition",
+    "StageError",
     "StatefulRunner",
     "batches_digest",
     "check_claim",
@@ -206,6 +207,43 @@ def check_claim(
 class BatchListChangedError(RuntimeError):
     """A partition's batch list no longer starts with the batches a checkpoint applied: some
     vanished or were reordered after the checkpoint was taken."""
+
+
+class StageError(RuntimeError):
+    """A stage failed on a batch, in the driver or in a Spark Python worker. Its message is one
+    line: pipeline, stage, partition and batch (its number, from 1, and id), then the original
+    error's own last line (``ValueError: ...``; a worker's Python exception without Spark's
+    Java traces). The original, with its full traceback, is ``__cause__``; ``batch_index``
+    counts from 0."""
+
+    def __init__(self, message: str, *, pipeline: str | None = None, stage: str | None = None,
+                 partition: str | None = None, batch_index: int | None = None,
+                 batch_id: str | None = None) -> None:
+        super().__init__(message)
+        self.pipeline, self.stage, self.partition = pipeline, stage, partition
+        self.batch_index, self.batch_id = batch_index, batch_id
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+_PY4J_CALL = "An error occurred while calling "
+
+
+def error_line(error: BaseException) -> str:
+    """The one line that says what ``error`` is: ``Type: message`` (its first line). For an
+    error of a Spark Python worker (PySpark's ``PythonException``, or a Py4J error carrying
+    the worker's traceback among Java frames), the worker's own exception line."""
+    text = str(error)
+    if _TRACEBACK in text:
+        # The last traceback is the exception raised last; its frames are indented, its
+        # exception line is not.
+        for line in text.rsplit(_TRACEBACK, 1)[1].splitlines()[1:]:
+            if line.strip() and not line[0].isspace():
+                return line.removesuffix(" SQLSTATE: 38000").strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith(_PY4J_CALL):
+        # Py4J: "An error occurred while calling o42.x." then ": java.lang.Error: ..."
+        return next((line.lstrip(": ") for line in lines[1:]), lines[0])
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def _starts_after(order: PartitionOrder, partition: str) -> str:
@@ -512,7 +550,7 @@ class StatefulRunner:
         taken: list[CheckpointSummary] = []
         interval = self.pipeline.checkpoint_interval
         for index in range(first, len(batches)):
-            applied, notes = self._apply_batch(states, partition, batches[index], index, rows)
+            applied, notes = self._apply_batch(states, partition, batches, index, rows)
             progress(
                 f"{partition}: batch {index + 1} of {len(batches)} ({applied} rows in)"
                 + "".join(f"; {note}" for note in notes)
@@ -549,10 +587,13 @@ class StatefulRunner:
         )
 
     def _apply_batch(
-        self, states: dict[str, DataFrame], partition: str, batch: str, index: int, rows: dict
+        self, states: dict[str, DataFrame], partition: str, batches: list[str], index: int,
+        rows: dict
     ) -> tuple[int, list[str]]:
-        """Apply one batch to every stage; returns the source rows read and notes for the
-        progress line (keyed stages' local stores that had to be rebuilt, and their cost)."""
+        """Apply batch ``index`` of ``batches`` to every stage; returns the source rows read and
+        notes for the progress line (keyed stages' local stores that had to be rebuilt, and
+        their cost). A stage's failure is a ``StageError`` naming stage, partition and batch."""
+        batch = batches[index]
         data = self.pipeline.source.read(self.spark, partition, batch)
         if self._keyed_source_reader is not None:
             # Pinning it first would cost two Spark jobs per batch.
@@ -565,11 +606,16 @@ class StatefulRunner:
         keyed_batches = []
         for number, stage in enumerate(self.stages):
             input = outputs[self.pipeline.input_of(number)]
+            failed = partial(self._stage_error, stage.name, partition, batches, index)
             if isinstance(stage, KeyedStage):
                 notes += self._prepare_interval(states)
                 checkpoint_id, location = self._pending_location()
-                states[stage.name], batch_result = self._keyed.apply(
-                    states[stage.name], input, checkpoint_id, location.location_reference, index)
+                try:
+                    states[stage.name], batch_result = self._keyed.apply(
+                        states[stage.name], input, checkpoint_id, location.location_reference,
+                        index)
+                except Exception as exc:
+                    raise failed(exc) from exc
                 notes += _rebuild_notes(stage.name, batch_result.ranges)
                 keyed_batches.append(batch_result)
                 rows[stage.name] += batch_result.output_rows
@@ -579,12 +625,17 @@ class StatefulRunner:
                 outputs[stage.name] = batch_result.output
                 continue
             old = states[stage.name]
-            new_state, output = stage.apply(old, input)
-            # Materialise once and cut the lineage, so that state does not grow a plan of
-            # every batch ever applied; the checkpoint then writes from these blocks.
-            output = output.localCheckpoint(eager=True)
-            rows[stage.name] += output.count()
-            states[stage.name] = new_state.localCheckpoint(eager=True)
+            try:
+                new_state, output = stage.apply(old, input)
+                # Before any Spark job: a state unlike its schema never reaches a checkpoint.
+                _check_state_schema(stage, new_state)
+                # Materialise once and cut the lineage, so that state does not grow a plan of
+                # every batch ever applied; the checkpoint then writes from these blocks.
+                output = output.localCheckpoint(eager=True)
+                rows[stage.name] += output.count()
+                states[stage.name] = new_state.localCheckpoint(eager=True)
+            except Exception as exc:
+                raise failed(exc) from exc
             old.unpersist()
             outputs[stage.name] = output
         for sink in self.pipeline.sinks:
@@ -596,6 +647,17 @@ class StatefulRunner:
             batch_result.release()
         rows[SOURCE] += count
         return count, notes
+
+    def _stage_error(self, stage: str, partition: str, batches: list[str], index: int,
+                     error: Exception) -> StageError:
+        """``error`` of ``stage`` on batch ``index`` of ``batches``, as one line."""
+        if isinstance(error, StageError):
+            return error
+        return StageError(
+            f"pipeline {self.pipeline.name}, stage {stage}, partition {partition}, batch "
+            f"{index + 1} of {len(batches)} (id {batches[index]}): {error_line(error)}",
+            pipeline=self.pipeline.name, stage=stage, partition=partition, batch_index=index,
+            batch_id=batches[index])
 
     # --- checkpoints and savepoints ----------------------------------------------------
 
@@ -925,6 +987,37 @@ class StatefulRunner:
     def latest_position(self) -> SourcePosition | None:
         latest = self.store.latest()
         return None if latest is None else SourcePosition.of(latest.metadata)
+
+
+def _check_state_schema(stage, state: DataFrame) -> None:
+    """Refuse a DataFrame stage's new state unless it has the declared ``state_schema``: its
+    columns by name in the declared order (the checkpoint records them in order), their exact
+    types, and no column nullable that is declared NOT NULL (nullable where declared NOT NULL
+    is stricter, and allowed). The error names the stage and lists every difference."""
+    declared, actual = stage.state_schema, state.schema
+    problems = []
+    names = [f.name for f in actual.fields]
+    extra = [n for n in names if n not in declared.names]
+    missing = [n for n in declared.names if n not in names]
+    if extra:
+        problems.append(f"column(s) {extra} not in state_schema")
+    if missing:
+        problems.append(f"column(s) {missing} missing")
+    common = [n for n in names if n in declared.names]
+    if not extra and not missing and names != declared.names:
+        problems.append(f"columns in the order {names}, declared {declared.names}")
+    for name in common:
+        have, want = actual[name], declared[name]
+        if have.dataType != want.dataType:
+            problems.append(f"column {name!r} is {have.dataType.simpleString()}, declared "
+                            f"{want.dataType.simpleString()}")
+        elif have.nullable and not want.nullable:
+            problems.append(f"column {name!r} is nullable, declared NOT NULL")
+    if problems:
+        raise ValueError(
+            f"stage {stage.name}: the new state does not match the stage's state_schema: "
+            + "; ".join(problems) + ". Return the declared columns, in order, of the declared "
+            "types (select and cast them at the end of apply), or change state_schema")
 
 
 def _rebuild_notes(stage: str, ranges) -> list[str]:

@@ -55,7 +55,13 @@ from pipelines.keyed._spark import (
     read_keyed_state,
     sweep_idle_stores,
 )
-from pipelines.keyed._stage import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
+from pipelines.keyed._stage import (
+    KeyedResult,
+    KeyedStage,
+    StateTtl,
+    TtlTimeCharacteristic,
+    key_type_fits,
+)
 from pipelines.keyed._store import (
     ArrowKeyedStateStore,
     KeyedStateStore,
@@ -101,6 +107,7 @@ __all__ = [
     "encode_keyed_master_state",
     "extend_chains",
     "hash_keys",
+    "key_type_fits",
     "last_per_key",
     "local_store_directory",
     "materialise_keyed_state",

@@ -553,7 +553,8 @@ def _operator_indices_of(task: KeyedStageTask, table: pa.Table) -> np.ndarray:
             column = pc.is_valid(table.column(name))
             valid = column if valid is None else pc.and_(valid, column)
     if valid is None:
-        groups = hash_keys(table, key) % task.max_parallelism
+        # The keys as the state types them: the store looks them up cast, so they route cast.
+        groups = hash_keys(task.stage.cast_keys(table), key) % task.max_parallelism
         return groups.astype("int64") * task.parallelism // task.max_parallelism
     valid = valid.to_numpy(zero_copy_only=False)
     indices = np.zeros(table.num_rows, np.int64)
@@ -807,6 +808,9 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
                          f"{input.schema.simpleString()}")
     input_schema = to_arrow_schema(input.schema, timezone=input.sparkSession.conf.get(
         "spark.sql.session.timeZone"))
+    # Here, before the batch's Spark job: a key of another type would fail in every range's
+    # task, or worse, be cast into another key.
+    task.stage.check_key_types(input_schema, "the input's")
     routed_type = T.StructType([
         *(T.StructField(f.name, f.dataType, True, f.metadata) for f in input.schema.fields),
         *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])

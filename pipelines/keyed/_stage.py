@@ -16,6 +16,7 @@ __all__ = [
     "KeyedStage",
     "StateTtl",
     "TtlTimeCharacteristic",
+    "key_type_fits",
 ]
 
 _STAGE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,62}")
@@ -216,19 +217,57 @@ class KeyedStage:
         """A state table with no rows."""
         return self.state_schema.empty_table()
 
-    def run(self, input: pa.Table, state: pa.Table) -> KeyedResult:
+    @property
+    def key_schema(self) -> pa.Schema:
+        """The key columns as ``state_schema`` declares them."""
+        return pa.schema([self.state_schema.field(k) for k in self.key])
+
+    def check_key_types(self, schema: pa.Schema, what: str) -> None:
+        """Refuse key columns of ``schema`` (the ``what`` of a batch: its input, upserts or
+        deletes) whose type is not the state schema's key type or a lossless widening of it
+        (``key_type_fits``): a cast would change the keys' values, and so their hash and key
+        group, silently. The error names the stage, the column, both types and what to do."""
+        for name in self.key:
+            if name not in schema.names:
+                continue  # a missing column is refused where the columns are selected
+            given, declared = schema.field(name).type, self.state_schema.field(name).type
+            if not key_type_fits(given, declared):
+                raise ValueError(
+                    f"keyed stage {self.name}: {what} key column {name!r} has type {given}, "
+                    f"the state schema's key type is {declared}: keys are not cast, a cast "
+                    f"value is another key. Cast {name!r} to {declared} in the stage before "
+                    "(or in apply), or declare the key as the type the data has in "
+                    "state_schema")
+
+    def cast_keys(self, table: pa.Table) -> pa.Table:
+        """The key columns of ``table`` as ``state_schema`` types them (after
+        ``check_key_types``: a lossless cast), so that equal keys hash and compare equal."""
+        keys = table.select(list(self.key))
+        for i, field in enumerate(self.key_schema):
+            if keys.schema.field(i).type != field.type:
+                keys = keys.set_column(i, field.name, keys.column(i).cast(field.type))
+        return keys
+
+    def run(self, input: pa.Table, state: pa.Table, *,
+            extra_keys: pa.Table | None = None) -> KeyedResult:
         """Call ``apply`` and check what it returned: upserts conform to ``state_schema`` (cast
-        where Arrow can), deletes carry the key columns, no key is upserted twice or both
-        upserted and deleted. Errors name the stage and what to fix."""
+        where Arrow can; key columns only from the same key type, ``check_key_types``),
+        deletes carry the key columns, no key is upserted twice or both upserted and deleted,
+        and only keys of ``input`` are upserted or deleted: the stage was given the state of
+        those keys only, and a key of another key group belongs to another range's task.
+        ``extra_keys``: key columns of further keys the stage may change in this batch (e.g.
+        keys a timer fired for; None: none). Errors name the stage and what to fix."""
         where = f"keyed stage {self.name}"
+        self.check_key_types(input.schema, "the input's")
         result = self.apply(input, state)
         if not isinstance(result, KeyedResult):
             raise TypeError(f"{where}: apply returned {type(result).__name__}, expected a "
                             "KeyedResult(upserts, deletes, output)")
+        self.check_key_types(result.upserts.schema, "the upserts'")
+        self.check_key_types(result.deletes.schema, "the deletes'")
         upserts = _conform(result.upserts, self.state_schema, f"{where}: upserts")
-        key_schema = pa.schema([self.state_schema.field(k) for k in self.key])
         deletes = _conform(result.deletes.select(
-            [k for k in self.key if k in result.deletes.column_names]), key_schema,
+            [k for k in self.key if k in result.deletes.column_names]), self.key_schema,
             f"{where}: deletes")
         _check_unique(upserts, self.key, f"{where}: upserts")
         _check_unique(deletes, self.key, f"{where}: deletes")
@@ -237,7 +276,65 @@ class KeyedStage:
             if both.num_rows:
                 raise ValueError(f"{where}: {both.num_rows} key(s) are both upserted and deleted "
                                  f"in one batch, e.g. {both.slice(0, 1).to_pylist()[0]}")
+        allowed = [self.cast_keys(input)]
+        if extra_keys is not None:
+            self.check_key_types(extra_keys.schema, "the extra keys'")
+            allowed.append(self.cast_keys(extra_keys))
+        self._check_keys_allowed(upserts, "upserts", allowed)
+        self._check_keys_allowed(deletes, "deletes", allowed)
         return KeyedResult(upserts, deletes, result.output)
+
+    def _check_keys_allowed(self, changes: pa.Table, what: str,
+                            allowed: list[pa.Table]) -> None:
+        """Refuse ``changes`` of keys in none of ``allowed`` (key columns, state key types)."""
+        if not changes.num_rows:
+            return
+        key = list(self.key)
+        others = changes.select(key)
+        for keys in allowed:
+            if not others.num_rows:
+                return
+            others = others.join(keys, key, join_type="left anti")
+        if others.num_rows:
+            raise ValueError(
+                f"keyed stage {self.name}: {what} change {others.num_rows} key(s) that are not "
+                f"among the batch's input keys, e.g. {others.slice(0, 1).to_pylist()[0]}. A "
+                "keyed stage may change only the state of the keys in its input (the state it "
+                "was given; another key may belong to another task's key groups): return "
+                f"{what} for the input's keys only")
+
+
+def key_type_fits(given: pa.DataType, declared: pa.DataType) -> bool:
+    """Whether key values of type ``given`` are keys of type ``declared`` unchanged: the same
+    type, or a lossless widening within one family whose values hash alike (``hash_keys``
+    hashes the value, not the type): integers into integers that hold all their values
+    (int32 -> int64, uint16 -> int32), strings and large strings either way (the same bytes;
+    Spark hands strings as either), binaries likewise, and timestamps of the same unit, both
+    zoned (any zone: the same instant) or both naive. Not: another unit (its count differs,
+    and so its hash), strings into numbers or the reverse, date32 and date64."""
+    if given == declared:
+        return True
+    if pa.types.is_integer(given) and pa.types.is_integer(declared):
+        low, high = _integer_range(given)
+        declared_low, declared_high = _integer_range(declared)
+        return declared_low <= low and high <= declared_high
+    for family in (_STRINGS, _BINARIES):
+        if any(is_(given) for is_ in family) and any(is_(declared) for is_ in family):
+            return True
+    if pa.types.is_timestamp(given) and pa.types.is_timestamp(declared):
+        return given.unit == declared.unit and (given.tz is None) == (declared.tz is None)
+    return False
+
+
+_STRINGS = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
+_BINARIES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view)
+
+
+def _integer_range(kind: pa.DataType) -> tuple[int, int]:
+    bits = kind.bit_width
+    if pa.types.is_signed_integer(kind):
+        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1
 
 
 def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:

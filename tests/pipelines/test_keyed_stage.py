@@ -2,6 +2,7 @@
 pipeline spec. No Spark."""
 
 import datetime as dt
+from collections.abc import Callable
 
 import dagster as dg
 import pyarrow as pa
@@ -20,6 +21,7 @@ from pipelines import (
     StateTtl,
     TtlTimeCharacteristic,
 )
+from pipelines.keyed import hash_keys, key_type_fits
 
 STATE = pa.schema([("user", pa.string()), ("clicks", pa.int64()),
                    ("last_seen", pa.timestamp("us", "UTC"))])
@@ -182,3 +184,113 @@ def test_a_pipeline_refuses_bad_keyed_wiring(overrides, match):
     for keyed stages as for DataFrame stages."""
     with pytest.raises((ValueError, TypeError), match=match):
         pipeline(**overrides)
+
+
+# --- the contract of a batch's result: only the input's keys, of the state's key type --------
+
+def upsert_users(*users) -> Callable:
+    """An apply that upserts (one click for) ``users``, whatever the input holds."""
+    rows = pa.table({"user": list(users), "clicks": [1] * len(users),
+                     "last_seen": [T0] * len(users)}, schema=STATE)
+    return bad_apply(KeyedResult(rows, NO_DELETES, rows))
+
+
+def delete_users(*users) -> Callable:
+    return bad_apply(KeyedResult(STATE.empty_table(), pa.table({"user": list(users)}),
+                                 STATE.empty_table()))
+
+
+@pytest.mark.parametrize(("apply", "what"), [(upsert_users("a", "z"), "upserts"),
+                                             (delete_users("z"), "deletes")])
+def test_a_key_not_in_the_input_is_refused_naming_stage_count_and_key(apply, what):
+    """Upserting or deleting a key the batch's input does not have is refused: the stage was
+    not given its state, and its key group may be another range's."""
+    with pytest.raises(ValueError) as refused:
+        clicks_stage(apply=apply).run(batch(("a", 1), ("b", 2)), STATE.empty_table())
+
+    message = str(refused.value)
+    assert message.startswith(f"keyed stage clicks: {what} change 1 key(s) that are not among "
+                              "the batch's input keys, e.g. {'user': 'z'}")
+    assert "for the input's keys only" in message
+
+
+def test_extra_keys_may_be_changed_besides_the_inputs():
+    """Keys passed as ``extra_keys`` (a timer's, later) may be upserted and deleted too."""
+    both = bad_apply(KeyedResult(UPSERT_A.set_column(0, "user", pa.array(["t1"])),
+                                 pa.table({"user": ["t2"]}), STATE.empty_table()))
+
+    result = clicks_stage(apply=both).run(batch(("a", 1)), STATE.empty_table(),
+                                          extra_keys=pa.table({"user": ["t1", "t2"]}))
+
+    assert (["t1"], ["t2"]) == (result.upserts.column("user").to_pylist(),
+                                result.deletes.column("user").to_pylist())
+
+
+def test_a_key_of_another_type_is_refused_in_input_upserts_and_deletes():
+    """int64 ids into a string key are refused, not cast: in the input (before apply runs),
+    in the upserts and in the deletes, naming the stage, the column and both types."""
+    ids = pa.table({"user": pa.array([80], pa.int64()), "ts": pa.array([T0])})
+    called = []
+    with pytest.raises(ValueError) as input_refused:
+        clicks_stage(apply=lambda b, s: called.append(b)).run(ids, STATE.empty_table())
+    int_upserts = pa.table({"user": pa.array([1], pa.int64()), "clicks": [1],
+                            "last_seen": [T0]})
+    with pytest.raises(ValueError) as upserts_refused:
+        clicks_stage(apply=bad_apply(KeyedResult(int_upserts, NO_DELETES, UPSERT_A))).run(
+            batch(("1", 1)), STATE.empty_table())
+    with pytest.raises(ValueError) as deletes_refused:
+        clicks_stage(apply=bad_apply(KeyedResult(
+            STATE.empty_table(), pa.table({"user": pa.array([1], pa.int64())}), UPSERT_A))).run(
+            batch(("1", 1)), STATE.empty_table())
+
+    assert [] == called
+    for refused, what in ((input_refused, "input's"), (upserts_refused, "upserts'"),
+                          (deletes_refused, "deletes'")):
+        assert str(refused.value).startswith(
+            f"keyed stage clicks: the {what} key column 'user' has type int64, the state "
+            "schema's key type is string")
+        assert "Cast 'user' to string in the stage before" in str(refused.value)
+
+
+WIDENINGS = [(pa.int32(), pa.int64(), [-5, 7]), (pa.uint16(), pa.int32(), [0, 65535]),
+             (pa.int8(), pa.int16(), [-128, 3]),
+             (pa.string(), pa.large_string(), ["ann", "bob"]),
+             (pa.large_string(), pa.string(), ["ann", ""]),
+             (pa.binary(), pa.large_binary(), [b"\x00", b"ab"]),
+             (pa.timestamp("us", "Europe/Berlin"), pa.timestamp("us", "UTC"), [T0, T0])]
+
+
+@pytest.mark.parametrize(("given", "declared", "values"), WIDENINGS, ids=str)
+def test_a_lossless_widening_is_a_key_of_the_same_hash(given, declared, values):
+    """What ``key_type_fits`` allows keeps each key's value and its hash (so its key group):
+    ``hash_keys`` hashes the value, whatever the type holding it."""
+    column = pa.array(values, given)
+
+    assert key_type_fits(given, declared)
+    assert (hash_keys(pa.table({"k": column}), ("k",)).tolist()
+            == hash_keys(pa.table({"k": column.cast(declared)}), ("k",)).tolist())
+
+
+@pytest.mark.parametrize(("given", "declared"), [
+    (pa.int64(), pa.string()), (pa.string(), pa.int64()), (pa.int64(), pa.int32()),
+    (pa.int32(), pa.uint64()), (pa.uint64(), pa.int64()), (pa.date32(), pa.date64()),
+    (pa.timestamp("ms", "UTC"), pa.timestamp("us", "UTC")),
+    (pa.timestamp("us"), pa.timestamp("us", "UTC")), (pa.string(), pa.binary())], ids=str)
+def test_other_key_types_are_not_keys_of_the_declared_type(given, declared):
+    """A narrowing, another family, another unit or naive against zoned time: refused
+    (another unit counts otherwise, so it would hash otherwise)."""
+    assert not key_type_fits(given, declared)
+
+
+def test_an_int32_input_reaches_the_state_of_its_int64_key():
+    """A widened input key is the declared key: the stage's upserts of it are accepted."""
+    schema = pa.schema([("id", pa.int64()), ("n", pa.int64())])
+
+    def count(input, state):
+        rows = pa.table({"id": input.column("id"), "n": pa.repeat(1, input.num_rows)})
+        return KeyedResult(rows, pa.table({"id": pa.array([], pa.int64())}), rows)
+
+    stage = KeyedStage("ids", "id", schema, count)
+    result = stage.run(pa.table({"id": pa.array([3, 4], pa.int32())}), schema.empty_table())
+
+    assert ([3, 4], schema) == (result.upserts.column("id").to_pylist(), result.upserts.schema)

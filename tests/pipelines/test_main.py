@@ -6,9 +6,16 @@ import shlex
 from pathlib import Path
 
 import pytest
+from dagster_shared.error import SerializableErrorInfo
 
 from pipelines import SourcePosition
-from pipelines.main import backfill_command, next_partitions, parse_args, print_retained
+from pipelines.main import (
+    backfill_command,
+    error_summary,
+    next_partitions,
+    parse_args,
+    print_retained,
+)
 from sensors import RetainedSnapshot
 
 TODAY = dt.date(2026, 10, 11)
@@ -123,3 +130,21 @@ def test_retained_lines_show_kind_id_position_size_age_and_pointer(capsys):
         ["savepoint", "4", "end", "of", "2026-10-04", "2.0", "KiB", "2", "files", "2", "h",
          "ago", "/sp/savepoint-2b2376-0123456789ab"],
     ] == lines  # fmt: skip
+
+
+def test_a_failure_is_summarised_as_the_users_error_in_one_line():
+    """Below Dagster's wrapper, the first line of the error the pipeline raised (a
+    StageError), its class without the module path; the worker's traceback is left out."""
+    worker = SerializableErrorInfo(
+        "pyspark.errors.exceptions.captured.PythonException: An exception was thrown from the "
+        "Python worker:\nTraceback (most recent call last):\n  File \"s.py\", line 3\n"
+        "ValueError: bad\n", [], "PythonException")
+    stage = SerializableErrorInfo(
+        "pipelines.runner.StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): "
+        "ValueError: bad\n", [], "StageError", cause=worker)
+    step = SerializableErrorInfo(
+        'dagster._core.errors.DagsterExecutionStepExecutionError: Error occurred while '
+        'executing op "p":\n', [], "DagsterExecutionStepExecutionError", cause=stage)
+
+    assert ("StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): ValueError: "
+            "bad") == error_summary(step)

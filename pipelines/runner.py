@@ -875,6 +875,7 @@ class StatefulRunner:
     def _starting_point(
         self, partition: str, restore_from: str | None, mode: RestoreMode
     ) -> tuple[str | None, dict[str, DataFrame], SourcePosition]:
+        self._damaged = []
         if restore_from is not None:
             location = self.access.resolve_checkpoint(restore_from)
             metadata = location.load_metadata()

@@ -106,6 +106,7 @@ from checkpoint_storage._tools import (
     latest_checkpoint,
     list_checkpoints,
     verify_checkpoint,
+    verify_state_handles,
 )
 from checkpoint_storage.exceptions import (
     CheckpointAlreadyExistsError,
@@ -227,4 +228,5 @@ __all__ = [
     "store_checkpoint_metadata",
     "url_to_fs",
     "verify_checkpoint",
+    "verify_state_handles",
 ]

@@ -71,6 +71,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "verify_checkpoint",
+    "verify_state_handles",
 ]
 
 logger = logging.getLogger("checkpoint_storage")
@@ -152,6 +153,8 @@ class VerificationProblem:
     path: str
     kind: str
     reason: str
+    # The handle that failed, so a caller can tell which state (stage, range) it belongs to.
+    handle: StreamStateHandle | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -191,11 +194,11 @@ def _read_to_end(handle: StreamStateHandle, counter: _ProgressCounter) -> int:
 def _problem(handle: StreamStateHandle, exc: BaseException) -> VerificationProblem:
     path = _handle_label(handle)
     if isinstance(exc, InvalidCheckpointError | UnsafePathError):
-        return VerificationProblem(path, "corrupt", _one_line(exc))
+        return VerificationProblem(path, "corrupt", _one_line(exc), handle)
     if isinstance(exc, FileNotFoundError):
-        return VerificationProblem(path, "missing", f"state file {path} does not exist")
+        return VerificationProblem(path, "missing", f"state file {path} does not exist", handle)
     reason = _one_line(exc) or type(exc).__name__
-    return VerificationProblem(path, "unreadable", f"could not read {path}: {reason}")
+    return VerificationProblem(path, "unreadable", f"could not read {path}: {reason}", handle)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -213,7 +216,27 @@ def verify_checkpoint(
     problem in the report. An invalid `_metadata` raises ``InvalidCheckpointError``."""
     metadata = completed_location.load_metadata()
     handles = metadata.all_handles()
-    # A file referenced twice with the same size and checksum is read once.
+    bytes_read, problems = verify_state_handles(
+        handles, progress=progress, max_workers=max_workers
+    )
+    return VerificationReport(
+        pointer=completed_location.external_pointer,
+        checkpoint_id=metadata.checkpoint_id,
+        handles_checked=len(handles),
+        bytes_read=bytes_read,
+        problems=problems,
+    )
+
+
+def verify_state_handles(
+    handles: Iterable[StreamStateHandle],
+    *,
+    progress: Progress | None = None,
+    max_workers: int = VERIFY_PARALLELISM,
+) -> tuple[int, tuple[VerificationProblem, ...]]:
+    """Read each of ``handles`` to its end (size and CRC-32 checked), ``max_workers`` at a
+    time; returns the bytes read and one problem per handle that failed (its ``handle`` set).
+    A file referenced twice with the same size and checksum is read once."""
     unique: dict[object, StreamStateHandle] = {}
     for handle in handles:
         if isinstance(handle, FileStateHandle):
@@ -239,13 +262,7 @@ def verify_checkpoint(
     else:
         with ThreadPoolExecutor(max_workers=min(max_workers, len(to_check))) as pool:
             results = list(pool.map(check, to_check))
-    return VerificationReport(
-        pointer=completed_location.external_pointer,
-        checkpoint_id=metadata.checkpoint_id,
-        handles_checked=len(handles),
-        bytes_read=sum(n for n, _ in results),
-        problems=tuple(p for _, p in results if p is not None),
-    )
+    return sum(n for n, _ in results), tuple(p for _, p in results if p is not None)
 
 
 # --- dispose -----------------------------------------------------------------------------

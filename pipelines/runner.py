@@ -48,9 +48,12 @@ from checkpoint_storage import (
     OperatorState,
     OperatorSubtaskState,
     RestoreMode,
+    StreamStateHandle,
+    VerificationProblem,
     format_size,
     store_checkpoint_metadata,
     url_to_fs,
+    verify_state_handles,
 )
 from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
 from pipelines.keyed import (
@@ -77,6 +80,8 @@ __all__ = [
     "BatchListChangedError",
     "CheckpointSummary",
     "ClaimRefusedError",
+    "CorruptStateError",
+    "DamagedState",
     "MissingStateError",
     "PartitionResult",
     "SourcePosition",
@@ -85,6 +90,7 @@ __all__ = [
     "batches_digest",
     "check_claim",
     "check_restore_from",
+    "damaged_state",
     "empty_state",
     "job_id_for",
 ]
@@ -202,6 +208,56 @@ def check_claim(
         "use NO_CLAIM (restore_mode RestoreMode.NO_CLAIM), which copies the state into this "
         "pipeline's own checkpoints and never deletes the snapshot"
     )
+
+
+class CorruptStateError(MissingStateError):
+    """A snapshot's state files do not verify (corrupt, missing or unreadable) and no verified
+    copy of that state is at hand: the message names the files and the way out."""
+
+
+@dataclass(frozen=True)
+class DamagedState:
+    """The state of one stage's subtask whose files do not verify: a keyed stage's key group
+    range (``key_groups``, e.g. "0-7"; its operator index is ``subtask``), or a DataFrame
+    stage's snapshot part (``key_groups`` None)."""
+
+    stage: str
+    subtask: int
+    key_groups: str | None
+    problems: tuple[VerificationProblem, ...]
+
+    @property
+    def keyed(self) -> bool:
+        return self.key_groups is not None
+
+    def __str__(self) -> str:
+        where = (f"stage {self.stage} key groups {self.key_groups}" if self.keyed
+                 else f"stage {self.stage} subtask {self.subtask}")
+        return f"{where}: " + "; ".join(f"{p.path} ({p.kind})" for p in self.problems)
+
+
+def _handle_key(handle: StreamStateHandle) -> tuple:
+    """What identifies a handle's bytes across checkpoints (as verification reads them once)."""
+    return (type(handle).__name__, getattr(handle, "path", None),
+            getattr(handle, "start_position", None), handle.state_size,
+            getattr(handle, "checksum", None))
+
+
+def damaged_state(
+    metadata: CheckpointMetadata, problems: Sequence[VerificationProblem]
+) -> list[DamagedState]:
+    """Which stages' subtasks (keyed ranges) of ``metadata`` hold the handles of ``problems``
+    (from ``verify_checkpoint`` or ``verify_state_handles``)."""
+    by_key = {_handle_key(p.handle): p for p in problems if p.handle is not None}
+    damaged = []
+    for operator in metadata.operator_states:
+        for subtask, state in sorted(operator.subtask_states.items()):
+            found = tuple(by_key[_handle_key(h)] for h in state.handles
+                          if _handle_key(h) in by_key)
+            if found:
+                damaged.append(DamagedState(operator.operator_id, subtask,
+                                            state.properties.get("keyed.key_groups"), found))
+    return damaged
 
 
 class BatchListChangedError(RuntimeError):
@@ -423,6 +479,10 @@ class StatefulRunner:
         # snapshot this job does not own for good (any savepoint, a checkpoint in NO_CLAIM
         # mode), so no checkpoint of ours references its files.
         self._full_snapshot_due = False
+        # The restored snapshot's keyed ranges whose files did not verify (repaired before
+        # the first batch), and what verifying its files cost: (files, bytes, seconds).
+        self._damaged: list[DamagedState] = []
+        self.restore_verification: tuple[int, int, float] | None = None
 
     @property
     def store(self) -> FileSystemCompletedCheckpointStore:
@@ -489,6 +549,10 @@ class StatefulRunner:
             )
         results = []
         try:
+            if self._damaged:
+                repaired = self._repair(states, origin, partitions[0])
+                if on_progress is not None:
+                    on_progress(repaired)
             for partition in partitions:
                 result = self._run_partition(partition, states, position, origin, on_progress)
                 results.append(result)
@@ -918,6 +982,7 @@ class StatefulRunner:
     def _starting_point(
         self, partition: str, restore_from: str | None, mode: RestoreMode
     ) -> tuple[str | None, dict[str, DataFrame], SourcePosition]:
+        self._damaged = []
         if restore_from is not None:
             location = self.access.resolve_checkpoint(restore_from)
             metadata = location.load_metadata()
@@ -928,6 +993,7 @@ class StatefulRunner:
                                           self.order)
                 )
             check_claim(self.access, location, metadata, mode)
+            self._verify_restored(location.external_pointer, metadata, partition)
             checkpoint = self.store.restore(location, mode)
             # A claimed savepoint is deleted once subsumed, an unclaimed snapshot belongs to
             # someone else: keyed chains must not go on referencing their files.
@@ -936,6 +1002,8 @@ class StatefulRunner:
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)
             if position.fits(partition, self.order):
+                self._verify_restored(checkpoint.external_pointer, checkpoint.metadata,
+                                      partition)
                 states = self._restore(checkpoint.metadata)
                 return checkpoint.external_pointer, states, position
         if self.order.previous(partition) is None:
@@ -943,6 +1011,134 @@ class StatefulRunner:
                      else empty_state(self.spark, stage) for stage in self.stages}
             return None, fresh, SourcePosition(partition, 0, False, batches_digest([]))
         raise MissingStateError(self._missing_state_message(partition))
+
+    def _verify_restored(self, pointer: str, metadata: CheckpointMetadata,
+                         partition: str) -> None:
+        """Read every state file of the snapshot about to be restored (size and CRC-32, on
+        the driver, several at a time): a keyed range with a bad file is noted for repair from
+        a local store (``_repair``); anything else bad fails here, before any Spark work,
+        naming the newest retained checkpoint that verifies."""
+        started = time.perf_counter()
+        handles = metadata.all_handles()
+        read, problems = verify_state_handles(handles)
+        self.restore_verification = (len(handles), read, time.perf_counter() - started)
+        logger.info("verified %d state handles (%s) of %s in %.2f s", len(handles),
+                    format_size(read), pointer, self.restore_verification[2])
+        self._damaged = damaged_state(metadata, problems)
+        placed = {_handle_key(p.handle) for d in self._damaged for p in d.problems}
+        stray = [p for p in problems if p.handle is None or _handle_key(p.handle) not in placed]
+        dataframe = [d for d in self._damaged if not d.keyed]
+        if stray or dataframe:
+            bad = "; ".join([*map(str, dataframe), *(f"{p.path} ({p.kind})" for p in stray)])
+            raise CorruptStateError(
+                f"{pointer} cannot be restored: state files do not verify ({bad}). A "
+                "DataFrame stage's snapshot is its only copy. "
+                + self._restore_advice(partition, {_handle_key(p.handle) for p in problems
+                                                   if p.handle is not None}))
+        for damage in self._damaged:
+            logger.warning("%s: %s does not verify; its range is re-materialised from a local "
+                           "store before the first batch", pointer, damage)
+
+    def _repair(self, states: dict, origin: str, partition: str) -> str:
+        """Start new chains for the damaged keyed ranges from the local stores that hold their
+        chains, before the first batch, so that no checkpoint of this run references a bad
+        file; a range no local store holds fails the run with the way out."""
+        checkpoint_id, location = self._pending_location()
+        unserved = []
+        for stage in self.pipeline.keyed_stages:
+            damaged = [d for d in self._damaged if d.stage == stage.name]
+            if not damaged:
+                continue
+            states[stage.name], _, missing = self._keyed.repair(
+                states[stage.name], [d.subtask for d in damaged], checkpoint_id,
+                location.location_reference)
+            unserved += [d for d in damaged if d.subtask in missing]
+        if unserved:
+            # Nothing of this run is committed: the snapshots of the ranges that were served
+            # are unreferenced shared files (collected as such), its directory goes now.
+            location.dispose_on_failure()
+            self._pending = None
+            bad = {_handle_key(p.handle) for d in self._damaged for p in d.problems}
+            raise CorruptStateError(
+                f"{origin} cannot be restored: state files do not verify and no local store "
+                "on the executors holds the state of their range to re-materialise it from (a "
+                f"cold run, or the stores are elsewhere): {'; '.join(map(str, unserved))}. "
+                + self._restore_advice(partition, bad))
+        repaired = ", ".join(f"{d.stage} key groups {d.key_groups}" for d in self._damaged)
+        self._damaged = []
+        return (f"re-materialised {repaired} from local stores: {origin} has state files that "
+                "do not verify, which no later checkpoint references")
+
+    def _restore_advice(self, partition: str, bad: set) -> str:
+        """What to restore instead: the newest retained checkpoint whose files verify (and the
+        partitions to run from it), else savepoints that fit ``partition``."""
+        newest = self._newest_verified(bad)
+        if newest is not None:
+            pointer = newest.external_pointer
+            position = SourcePosition.of(newest.metadata)
+            if position.fits(partition, self.order):
+                return (f"Restore the newest retained checkpoint that verifies ({position}): "
+                        f"run {partition} with restore_from={pointer}")
+            start = (self.order.following(position.partition) if position.complete
+                     else position.partition)
+            return (f"The newest retained checkpoint that verifies holds the state at "
+                    f"{position}: run the partitions from {start} through {partition} with "
+                    f"restore_from={pointer}")
+        for pointer, metadata in sorted(self._savepoints(), key=lambda s: s[1].checkpoint_id,
+                                        reverse=True):
+            if verify_state_handles(metadata.all_handles())[1]:
+                continue
+            position = SourcePosition.of(metadata)
+            start = (partition if position.fits(partition, self.order)
+                     else self.order.following(position.partition) if position.complete
+                     else position.partition)
+            return (f"No retained checkpoint verifies; the newest savepoint that does holds "
+                    f"the state at {position}: run the partitions from {start} through "
+                    f"{partition} with restore_from={pointer}")
+        return (f"No retained checkpoint or savepoint verifies: reprocess the partitions from "
+                f"the first, {self.order.first}, through {partition} (that run starts from "
+                "empty state), or restore_from a savepoint kept elsewhere and run the "
+                "partitions after it")
+
+    def _newest_verified(self, bad: set) -> CompletedCheckpoint | None:
+        """The newest retained checkpoint none of whose files is in ``bad`` (handle keys) or
+        fails to verify; a file shared by several checkpoints is read once."""
+        bad, good = set(bad), set()
+        for checkpoint in reversed(self.store.all()):
+            handles = [h for h in checkpoint.metadata.all_handles()
+                       if _handle_key(h) not in good]
+            if any(_handle_key(h) in bad for h in handles):
+                continue
+            _, problems = verify_state_handles(handles)
+            failed = {_handle_key(p.handle) for p in problems if p.handle is not None}
+            if not problems:
+                return checkpoint
+            bad |= failed
+            good |= {_handle_key(h) for h in handles} - failed
+        return None
+
+    def newest_verified_checkpoint(self) -> CompletedCheckpoint | None:
+        """The newest retained checkpoint whose every state file verifies (reads them)."""
+        return self._newest_verified(set())
+
+    def restore_advice(self, damaged_pointer: str, problems: Sequence[VerificationProblem]
+                       ) -> str:
+        """What a run after the checkpoint at ``damaged_pointer`` does about ``problems`` (its
+        files that do not verify), for reports such as the integrity check."""
+        metadata = self.access.resolve_checkpoint(damaged_pointer).load_metadata()
+        position = SourcePosition.of(metadata)
+        partition = (self.order.following(position.partition) if position.complete
+                     else position.partition) or position.partition
+        damaged = damaged_state(metadata, problems)
+        advice = self._restore_advice(partition, {_handle_key(p.handle) for p in problems
+                                                  if p.handle is not None})
+        if damaged and all(d.keyed for d in damaged):
+            return ("The next run re-materialises "
+                    + ", ".join(f"{d.stage} key groups {d.key_groups}" for d in damaged)
+                    + " from local stores that hold their chains (warm executors) before its "
+                    "first batch, so that no later checkpoint references these files; without "
+                    f"one it fails before any batch. {advice}")
+        return f"The next run from this checkpoint fails before any batch. {advice}"
 
     def _missing_state_message(self, partition: str) -> str:
         previous = self.order.previous(partition)
@@ -962,6 +1158,12 @@ class StatefulRunner:
         )
 
     def _fitting_savepoints(self, partition: str) -> list[str]:
+        return [pointer for pointer, metadata in self._savepoints()
+                if SourcePosition.of(metadata).fits(partition, self.order)]
+
+    def _savepoints(self) -> list[tuple[str, CheckpointMetadata]]:
+        """The pipeline's savepoints in the savepoint directory (and its scheduled/), sorted by
+        pointer, with their `_metadata`; those that cannot be read are left out."""
         directory = getattr(self.storage, "savepoint_directory", None)
         if directory is None:
             return []
@@ -973,16 +1175,16 @@ class StatefulRunner:
                 entries += fs.ls(folder, detail=False)
             except FileNotFoundError:
                 continue
-        fitting = []
+        found = []
         for entry in sorted(entries):
             pointer = fs.unstrip_protocol(entry) if "://" in directory else entry
             try:
                 metadata = self.access.resolve_checkpoint(pointer).load_metadata()
-                if SourcePosition.of(metadata).fits(partition, self.order):
-                    fitting.append(pointer)
+                SourcePosition.of(metadata)
+                found.append((pointer, metadata))
             except (OSError, ValueError) as exc:
                 logger.debug("not a usable savepoint: %s (%s)", pointer, exc)
-        return fitting
+        return found
 
     def latest_position(self) -> SourcePosition | None:
         latest = self.store.latest()

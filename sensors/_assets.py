@@ -6,16 +6,20 @@ annotations at definition time.
 """
 
 import os
+from collections.abc import Sequence
 
 import dagster as dg
 from pydantic import Field
 
 from checkpoint_storage import (
+    CheckpointMetadata,
+    CheckpointNotFoundError,
     InvalidCheckpointError,
     RestoreMode,
+    StreamStateHandle,
     format_size,
     list_checkpoints,
-    verify_checkpoint,
+    verify_state_handles,
 )
 from pipelines import (
     CheckpointSummary,
@@ -23,6 +27,7 @@ from pipelines import (
     StatefulPipeline,
     StatefulRunner,
     check_restore_from,
+    damaged_state,
 )
 from resources import CheckpointStorageResource, SparkResource
 from sensors._retained import retained_metadata
@@ -218,9 +223,13 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
             dg.AssetCheckSpec(
                 INTEGRITY_CHECK,
                 asset=name,
-                description="The checkpoint validates (every file's size and CRC-32) and "
-                "restores (each stage's rows as recorded): after a materialization, the last "
-                "checkpoint it wrote; run alone, the newest checkpoint with a `_metadata`.",
+                description="The state files validate (size and CRC-32, read whole): after a "
+                "materialization, every file its checkpoints newly reference, and the whole "
+                "last checkpoint it wrote, restored with each stage's rows as recorded, when "
+                "the run started a keyed chain anew (materialised) or the state is not keyed; "
+                "run alone, the whole newest checkpoint with a `_metadata`. A file that does "
+                "not verify is named with its stage, key-group range and what the next run "
+                "does about it.",
             )
         ],
         partitions_def=pipeline.partitions,
@@ -295,18 +304,78 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         if checked:
             # A check result in every run that materializes the state (a backfill too),
             # for the checkpoint this run wrote last.
-            yield integrity_check_result(pipeline, runner, results[-1].checkpoint.pointer)
+            yield integrity_check_result(
+                pipeline, runner, results[-1].checkpoint.pointer, results=results
+            )
 
     return stateful_asset
 
 
+def _identity(handle: StreamStateHandle) -> tuple:
+    return (getattr(handle, "path", None), getattr(handle, "start_position", None),
+            handle.state_size, getattr(handle, "checksum", None))  # fmt: skip
+
+
+def _load(runner: StatefulRunner, pointer: str | None) -> CheckpointMetadata | None:
+    """The `_metadata` at ``pointer``; None if there is none (retention removed it)."""
+    if pointer is None:
+        return None
+    try:
+        return runner.access.resolve_checkpoint(pointer).load_metadata()
+    except (CheckpointNotFoundError, InvalidCheckpointError):
+        return None
+
+
+def _run_scope(
+    pipeline: StatefulPipeline, runner: StatefulRunner, results: Sequence[PartitionResult]
+) -> tuple[list[StreamStateHandle], list[CheckpointMetadata], str | None]:
+    """The handles the run's checkpoints newly reference (not in the snapshot it restored,
+    whose files the runner verified before restoring them), the run's checkpoints still
+    retained, and why the whole last checkpoint is to be verified too (None: no need)."""
+    written = [c for r in results for c in r.checkpoints_taken]
+    metadatas = [m for m in (_load(runner, c.pointer) for c in written) if m is not None]
+    origin = results[0].restored_from
+    restored = _load(runner, origin)
+    inherited = set() if restored is None else {_identity(h) for h in restored.all_handles()}
+    new = {}
+    for metadata in metadatas:
+        for handle in metadata.all_handles():
+            if _identity(handle) not in inherited:
+                new.setdefault(_identity(handle), handle)
+    if not pipeline.keyed_stages:
+        why = "the state is snapshotted whole"
+    elif origin is not None and restored is None:
+        why = f"the restored snapshot {origin} is gone: its files cannot be told apart"
+    elif any(
+        s.properties.get("keyed.materialised") == "true"
+        and s.handles
+        and _identity(s.handles[0]) in new
+        for m in metadatas
+        for op in m.operator_states
+        for s in op.subtask_states.values()
+    ):
+        why = "the run materialised keyed ranges (a new chain starts)"
+    else:
+        why = None
+    return list(new.values()), metadatas, why
+
+
 def integrity_check_result(
-    pipeline: StatefulPipeline, runner: StatefulRunner, pointer: str | None = None
+    pipeline: StatefulPipeline,
+    runner: StatefulRunner,
+    pointer: str | None = None,
+    *,
+    results: Sequence[PartitionResult] | None = None,
 ) -> dg.AssetCheckResult:
     """``checkpoint_integrity`` of the checkpoint at ``pointer`` (default: the newest one of
     the pipeline with a `_metadata`, which must be a valid one of ours, not corrupt, foreign
-    or unreadable): every file's size and CRC-32 verify, and the state restores with each
-    stage's rows as recorded. Read-only: it never deletes or creates anything."""
+    or unreadable). After a run (``results``): every file its checkpoints newly reference
+    verifies (size and CRC-32); the whole checkpoint at ``pointer`` verifies and restores with
+    each stage's rows as recorded when the run materialised a keyed range (once per
+    materialisation cycle, when the chain is shortest) or the state is not keyed. Alone: the
+    whole checkpoint. A file that does not verify fails the check (ERROR) with its stage,
+    key-group range and what the next run does. Read-only: it never deletes or creates
+    anything."""
 
     def result(passed: bool, description: str | None = None, **metadata):
         return dg.AssetCheckResult(
@@ -334,19 +403,45 @@ def integrity_check_result(
         pointer = newest.pointer
     location = runner.access.resolve_checkpoint(pointer)
     try:
-        report = verify_checkpoint(location)
+        snapshot = location.load_metadata()
     except InvalidCheckpointError as exc:
         return result(False, str(exc), checkpoint_pointer=dg.MetadataValue.path(pointer))
+    checked = [snapshot]
+    if results is None:
+        handles, whole = snapshot.all_handles(), "the check runs alone"
+    else:
+        handles, checked, whole = _run_scope(pipeline, runner, results)
+        if whole is not None:
+            handles = [*handles, *snapshot.all_handles()]
+    bytes_read, problems = verify_state_handles(handles)
     metadata = {
         "checkpoint_pointer": dg.MetadataValue.path(pointer),
-        "checkpoint_id": report.checkpoint_id,
-        "handles_checked": report.handles_checked,
-        "bytes_read": report.bytes_read,
+        "checkpoint_id": snapshot.checkpoint_id,
+        "handles_checked": len(handles),
+        "bytes_read": bytes_read,
+        "verified": f"the whole checkpoint ({whole})" if whole else "the files new in this run",
     }
-    if not report.ok:
-        problems = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in report.problems[:5])
-        return result(False, f"{len(report.problems)} problem(s): {problems}", **metadata)
-    snapshot = location.load_metadata()
+    if problems:
+        damaged = {}
+        unique = {m.checkpoint_id: m for m in [*checked, snapshot]}
+        for checked_metadata in unique.values():
+            for d in damaged_state(checked_metadata, problems):
+                damaged.setdefault(str(d), []).append(f"chk-{checked_metadata.checkpoint_id}")
+        in_newest = [p for p in problems if damaged_state(snapshot, [p])]
+        next_run = (
+            runner.restore_advice(pointer, in_newest) if in_newest
+            else "The last checkpoint does not reference these files; do not restore the "
+            "checkpoints that do."
+        )  # fmt: skip
+        files = "; ".join(f"{p.kind}: {p.path}: {p.reason}" for p in problems[:5])
+        metadata |= {
+            "bad_files": "\n".join(f"{p.kind}: {p.path}" for p in problems),
+            "damaged": "\n".join(f"{d} (in {', '.join(ids)})" for d, ids in damaged.items()),
+            "next_run": next_run,
+        }
+        return result(False, f"{len(problems)} problem(s): {files}. {next_run}", **metadata)
+    if not whole:
+        return result(True, **metadata)
     # Expired keyed rows too: the recorded counts include them until they are dropped.
     states = runner.restore_states(snapshot, include_expired=True)
     restored = {name: state.count() for name, state in states.items()}

@@ -53,6 +53,7 @@ from pipelines.keyed._spark import (
     materialise_keyed_state,
     ranges_to_materialise,
     read_keyed_state,
+    rematerialise_from_local_stores,
     sweep_idle_stores,
 )
 from pipelines.keyed._stage import (
@@ -116,6 +117,7 @@ __all__ = [
     "read_keyed_state",
     "read_materialisation",
     "rebuild_store",
+    "rematerialise_from_local_stores",
     "remove_store",
     "replay_chains",
     "sweep_idle_stores",

@@ -49,6 +49,7 @@ from pipelines.keyed._spark import (
     materialise_keyed_state,
     ranges_to_materialise,
     read_keyed_state,
+    rematerialise_from_local_stores,
 )
 from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
 
@@ -228,6 +229,18 @@ class KeyedStageDriver:
         task = self._task(state, checkpoint_id, reference, 0, now)
         results = materialise_keyed_state(self.spark, task, due)
         return replace(state, chains=tuple(extend_chains(state.chains, results))), results
+
+    def repair(self, state: KeyedStageState, operator_indices: list[int], checkpoint_id: int,
+               reference: CheckpointStorageLocationReference
+               ) -> tuple[KeyedStageState, list[KeyedRangeResult], list[int]]:
+        """Start new chains for the ranges ``operator_indices`` (of the state's own
+        parallelism), whose chains hold a corrupt or missing file, from the local stores that
+        hold exactly those chains; snapshots go into checkpoint ``checkpoint_id``'s shared
+        state. Returns the new state, the results and the ranges no local store could serve
+        (their chains are unchanged: the caller must not go on with them)."""
+        task = self._task(state, checkpoint_id, reference, 0, self._now(state))
+        results, missing = rematerialise_from_local_stores(self.spark, task, operator_indices)
+        return replace(state, chains=tuple(extend_chains(state.chains, results))), results, missing
 
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
               reference: CheckpointStorageLocationReference, batch: int

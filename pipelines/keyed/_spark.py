@@ -79,6 +79,7 @@ __all__ = [
     "materialise_keyed_state",
     "ranges_to_materialise",
     "read_keyed_state",
+    "rematerialise_from_local_stores",
     "DEFAULT_LOCAL_STORE_MAX_AGE",
     "sweep_idle_stores",
     "sweep_other_ranges",
@@ -104,6 +105,7 @@ _OUTPUT = "output"
 _CHANGE = "change"
 _MATERIALISATION = "materialisation"
 _SUMMARY = "summary"
+_NO_LOCAL_STORE = "no_local_store"  # a range whose local store does not hold its chain
 _OUTPUT_ROWS_PER_PAYLOAD = 1 << 16
 _RESULT_SCHEMA = pa.schema([
     # "output" (payload), "change"/"materialisation" (handle) or "summary" (the batch's
@@ -442,6 +444,21 @@ def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Pa
                        "been rebuilt from the checkpoint: %s", task.stage.name, key_groups,
                        damage)
     return store
+
+
+def _open_local(task: KeyedStageTask, key_groups: KeyGroupRange,
+                directory: Path) -> ArrowKeyedStateStore | None:
+    """The range's local store if it holds exactly the shipped chains' state; None if not
+    (never rebuilt: the chains are what cannot be trusted)."""
+    version = chain_version(key_groups, task.sources(key_groups))
+    try:
+        store = ArrowKeyedStateStore(directory, task.layout, key_groups)
+    except LocalStoreError:
+        return None
+    if store.version == version:
+        return store
+    store.close()
+    return None
 
 
 def _change_file_storage(storage: CheckpointStorage,
@@ -901,13 +918,14 @@ def _unexpired(batches: Iterator[pa.RecordBatch], layout: KeyedStateLayout,
         yield batch
 
 
-def _materialise_ranges(task: KeyedStageTask, adopt: bool,
+def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
                         batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: for each operator index, bring the local store to the shipped
     chains (rebuilding it from them, e.g. another parallelism's) and write a sorted snapshot
     without expired rows. ``adopt``: the snapshot starts the range's new chain, so the store
     drops the expired rows and is marked as holding it; otherwise (a savepoint) the store is
-    left as it is."""
+    left as it is. ``local_only``: only from a local store that holds the chains already (a
+    range without one is reported in a ``_NO_LOCAL_STORE`` row, nothing written)."""
     _, attempt = _context()
     layout = task.layout
     cutoff = None if layout.ttl is None else layout.ttl.cutoff(task.now)
@@ -918,7 +936,13 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool,
             stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
                      "input_rows": 0}
             with _Locked(directory):
-                store = _open_current(task, key_groups, directory, stats)
+                store = (_open_local(task, key_groups, directory) if local_only
+                         else _open_current(task, key_groups, directory, stats))
+                if store is None:
+                    yield pa.RecordBatch.from_pylist([{
+                        "row_kind": _NO_LOCAL_STORE, "operator_index": operator_index,
+                        "attempt": attempt}], schema=_RESULT_SCHEMA)
+                    continue
                 try:
                     if adopt and cutoff is not None:
                         store.drop_expired(cutoff)
@@ -973,9 +997,26 @@ def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
     frame = _operator_index_frame(spark, task, operator_indices)
     if frame is None:
         return []
-    rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt),
+    rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt, False),
                             from_arrow_schema(_RESULT_SCHEMA)).collect()
     return _results(task, rows)
+
+
+def rematerialise_from_local_stores(spark: SparkSession, task: KeyedStageTask,
+                                    operator_indices: Sequence[int]
+                                    ) -> tuple[list[KeyedRangeResult], list[int]]:
+    """Write a snapshot of each range in ``operator_indices`` from its executor's local store,
+    only where that store holds exactly the range's shipped chain (its ``version``): for
+    chains with a corrupt or missing file, which must not be replayed. Returns the results
+    (``extend_chains`` with them starts the ranges' new chains) and the operator indices
+    whose task found no such store (nothing written for them)."""
+    frame = _operator_index_frame(spark, task, operator_indices)
+    if frame is None:
+        return [], []
+    rows = frame.mapInArrow(partial(_materialise_ranges, task, True, True),
+                            from_arrow_schema(_RESULT_SCHEMA)).collect()
+    missing = sorted({row["operator_index"] for row in rows if row["row_kind"] == _NO_LOCAL_STORE})
+    return _results(task, [r for r in rows if r["row_kind"] != _NO_LOCAL_STORE]), missing
 
 
 def _replay_ranges(task: KeyedStageTask, include_expired: bool,

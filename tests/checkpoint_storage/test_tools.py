@@ -22,6 +22,7 @@ from checkpoint_storage import (
     StateIntegrityError,
     _tools,
     load_checkpoint_metadata,
+    verify_state_handles,
 )
 from checkpoint_storage._tools import (
     CheckpointInfo,
@@ -148,6 +149,24 @@ def test_verify_reports_every_damaged_file_not_only_the_first(backend):
     assert not report.ok
     assert all(fs._strip_protocol(p.path) in " ".join(p.reason.split()) for p in report.problems)
     assert intact not in [fs._strip_protocol(p.path) for p in report.problems]
+
+
+def test_verify_state_handles_checks_a_subset_and_names_each_failing_handle(backend):
+    """Some handles of a checkpoint (e.g. the files a run newly referenced): each is read
+    whole once, and a problem carries the handle that failed, so its owner can be named."""
+    fs = fs_of(backend)
+    access = storage(backend).create_checkpoint_storage(JOB_A)
+    completed, data = checkpoint(access, 5, sizes=(2048, 2049, 2050))
+    handles = completed.load_metadata().operator_states[0].subtask_states[0].handles
+    flipped = bytearray(data[1])
+    flipped[7] ^= 0x01
+    fs.pipe_file(fs._strip_protocol(handles[1].path), bytes(flipped))
+
+    read, problems = verify_state_handles([handles[1], handles[2], handles[2]])
+
+    assert (2050, ["corrupt"]) == (read, [p.kind for p in problems])
+    assert (handles[1].path, handles[1].checksum) == (problems[0].handle.path,
+                                                      problems[0].handle.checksum)
 
 
 def test_verify_io_error_is_unreadable_not_a_verdict(backend, monkeypatch):

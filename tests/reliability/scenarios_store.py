@@ -1,13 +1,15 @@
-"""Local keyed-state stores damaged between runs (issue 24): a keyed stage runs one partition
-per round on real Spark (``local[2]``), each round by a new runner over the same executor-local
-store directories; before each round one range's store is damaged at random (a bit flipped at
-a random offset of a random store file, a file truncated or deleted, or the directory replaced
-by a stale copy of an earlier round's). Every checkpoint's state must equal a recomputation:
-a damaged store is rebuilt from the checkpoint (with a warning naming the file), never used.
+"""Local keyed-state stores damaged between and during runs (issue 24): a keyed stage runs one
+partition of two batches per round on real Spark (``local[2]``), each round by a new runner
+over the same executor-local store directories; before each round (``during=False``) or
+between the round's two batches, in the same Python workers that verified the store already
+(``during=True``), one range's store is damaged at random (a bit flipped at a random offset of
+a random store file, a file truncated or deleted, or the directory replaced by a stale copy of
+an earlier round's). Every checkpoint's state must equal a recomputation: a damaged store is
+rebuilt from the checkpoint (with a warning naming the file), never used.
 
-``local_store_damage(trials)`` returns ``Outcome(trials, failures, figure)``; the pytest
-suite (test_local_store_damage.py) runs it with ~20 rounds, ``benchmarks/reliability.py``
-with as many as asked. ``SCENARIOS`` lists it for the runner.
+``local_store_damage(trials, during=...)`` returns ``Outcome(trials, failures, figure)``; the
+pytest suite (test_local_store_damage.py) runs each with ~20 and ~10 rounds,
+``benchmarks/reliability.py`` with as many as asked. ``SCENARIOS`` lists them for the runner.
 """
 
 import contextlib
@@ -57,7 +59,7 @@ class RoundOrders(Source):
     rows_per_batch: int = 60
 
     def batches(self, spark, partition):
-        return [partition]
+        return [f"{partition}-a", f"{partition}-b"]
 
     def read(self, spark, partition, batch):
         return spark.createDataFrame(self.rows(batch), ORDERS)
@@ -126,8 +128,8 @@ def _damage(rng: random.Random, stores: list[Path], copies: list[dict[Path, Path
 
 def _recomputed(source: RoundOrders, partitions: list[str]) -> dict[str, tuple[int, int]]:
     orders, total = Counter(), Counter()
-    for partition in partitions:
-        for customer, amount in source.rows(partition):
+    for batch in (b for p in partitions for b in (f"{p}-a", f"{p}-b")):
+        for customer, amount in source.rows(batch):
             orders[customer] += 1
             total[customer] += amount
     return {c: (orders[c], total[c]) for c in orders}
@@ -140,10 +142,12 @@ def _committed(runner: StatefulRunner) -> dict[str, tuple[int, int]]:
                         strict=True), strict=True))
 
 
-def local_store_damage(trials: int, seed: int = 24, spark=None) -> Outcome:
+def local_store_damage(trials: int, seed: int = 24, spark=None, *,
+                       during: bool = False) -> Outcome:
     """``trials`` rounds (at least 2): round 0 warms the stores, each later one damages a
-    store and runs a partition. Failures: a round that raised, committed a wrong value
-    (counted per key), or used a damaged store without a warning naming the damage."""
+    store (before the round, or between its batches ``during`` it) and runs a partition.
+    Failures: a round that raised, committed a wrong value (counted per key), or used a
+    damaged store without a warning naming the damage."""
     rounds = max(2, trials)
     rng = random.Random(seed)
     spark = spark or build_spark_session("local[2]", "local-store-damage",
@@ -175,11 +179,22 @@ def local_store_damage(trials: int, seed: int = 24, spark=None) -> Outcome:
             if number:
                 kind = rng.choice(DAMAGES if stale else DAMAGES[:-1])
                 kinds[kind] += 1
-                _, damaged = _damage(rng, stores, stale, kind)
             del warnings.messages[:]
             lines: list[str] = []
+            hit: list[Path] = []
+
+            def damage(point: str, batch: int = 0, *, kind=kind, hit=hit, stale=stale,
+                       **info) -> None:
+                if point == "batch_applied" and batch == 0 and kind is not None:
+                    # the stores as the first batch left them, in the workers that opened them
+                    now = sorted({p.parent for p in local.rglob("MANIFEST.json")})
+                    hit.append(_damage(rng, now, stale, kind)[1])
+
+            if kind is not None and not during:
+                hit.append(_damage(rng, stores, stale, kind)[1])
             try:
-                runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(local))
+                runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(local),
+                                        fault_hook=damage if during else None)
                 runner.run([partition], on_progress=lines.append)
             except Exception as exc:  # noqa: BLE001 - a round that raised is a failed one
                 problems.append(f"round {number} ({kind} {damaged}): {type(exc).__name__}: "
@@ -188,6 +203,7 @@ def local_store_damage(trials: int, seed: int = 24, spark=None) -> Outcome:
                 shutil.rmtree(local, ignore_errors=True)
                 runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(local))
                 runner.run([partition])
+            damaged = hit[0] if hit else None
             committed = _committed(runner)
             expected = _recomputed(source, partitions[:number + 1])
             bad = sum(committed.get(k) != v for k, v in expected.items()) + len(
@@ -215,7 +231,8 @@ def local_store_damage(trials: int, seed: int = 24, spark=None) -> Outcome:
         with contextlib.suppress(OSError):
             shutil.rmtree(work)
     damaged_rounds = rounds - 1
-    figure = (f"{rounds} rounds, {damaged_rounds} damaged ("
+    figure = (f"{rounds} rounds, {damaged_rounds} damaged {'during' if during else 'before'} "
+              f"the run ("
               + ", ".join(f"{k} {kinds[k]}" for k in sorted(kinds))
               + f"); rebuilt after damage {rebuilt_after}/{damaged_rounds}, damage named in a "
               f"warning {named}/{damaged_rounds}; wrong values committed {wrong}; "
@@ -226,4 +243,6 @@ def local_store_damage(trials: int, seed: int = 24, spark=None) -> Outcome:
 SCENARIOS = {
     # about 2-4 s per round on local[2]
     "local_store_damage": lambda trials: local_store_damage(max(2, min(trials, 60))),
+    "local_store_damage_during_runs": lambda trials: local_store_damage(
+        max(2, min(trials, 60)), during=True),
 }

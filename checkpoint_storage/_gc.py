@@ -27,6 +27,13 @@ Never deleted: anything a retained checkpoint or ``extra_references`` names, any
 than the grace period or without a modification time, ``taskowned/``, anything with a
 ``savepoint-*`` path segment, symbolic links, and anything outside the job directory.
 
+Nor a ``chk-<id>`` without `_metadata` that the job lease's holder may still be writing
+(``abandoned_by_writer``: the lease is held, or unreadable, and the holder acquired it before
+the directory was last written): a checkpoint slower than the grace period is not taken from
+under its writer. Once the lease is released or expired, or a later holder took it, the
+directory is abandoned and collected after the grace period. A job that was never leased
+keeps the grace period alone.
+
 Retained checkpoints are the ``chk-<id>`` directories whose `_metadata` exists, validates and
 holds checkpoint ``<id>``. Any other I/O error (timeout, 5xx) while listing or loading is
 raised, never read as "unreferenced".
@@ -65,6 +72,7 @@ from checkpoint_storage._filesystems import (
 )
 from checkpoint_storage._handles import FileStateHandle, SegmentFileStateHandle
 from checkpoint_storage._ids import checkpoint_directory_id
+from checkpoint_storage._lease import abandoned_by_writer, read_job_lease
 from checkpoint_storage._metadata import FLINK
 from checkpoint_storage.exceptions import (
     CheckpointIdMismatchError,
@@ -210,6 +218,7 @@ def collect_garbage(
         access, fs, job, job_url, max_workers, bool(delete_corrupt)
     )
     protected = {access._path(s.pointer).rstrip("/") for s in skipped}
+    protected |= _being_written(fs, job, listing)
     if any(s.reason == SKIPPED_FOREIGN for s in skipped):
         protected |= {join(job, n) for n in _top_level_names(job, listing)}  # Flink's job
     plan = _plan(fs, job, listing, referenced, extra, cutoff, protected, not skipped)
@@ -344,6 +353,33 @@ def _list_and_load(access, fs, job: str, job_url: str, max_workers: int, delete_
         f"checkpoints of {job_url} kept disappearing while garbage was collected ({last}); "
         "the job is discarding checkpoints right now: run the collection again later"
     )
+
+
+def _being_written(fs: AbstractFileSystem, job: str, listing: Mapping[str, dict]) -> set[str]:
+    """The ``chk-<id>`` directories without `_metadata` that the job lease's current holder
+    may still be writing (stripped paths), judged by the lease now and the newest
+    modification time below each."""
+    newest: dict[str, float | None] = {}
+    for path, info in listing.items():
+        top = path[len(job) + 1 :].split("/", 1)[0]
+        if checkpoint_directory_id(top) is None or join(job, top, METADATA_FILE_NAME) in listing:
+            continue
+        directory = join(job, top)
+        newest[directory] = _newest(newest.get(directory), modification_time(info))
+    if not newest:
+        return set()
+    record = read_job_lease(fs, job)
+    if record is None:  # never leased: the grace period alone
+        return set()
+    kept = set()
+    for directory, modified in sorted(newest.items()):
+        if abandoned_by_writer(record, modified) is None:
+            logger.info(
+                "garbage collection kept %s (no _metadata): the job lease's holder may still "
+                "be writing it (%s)", to_url(fs, directory), record.describe(),
+            )  # fmt: skip
+            kept.add(directory)
+    return kept
 
 
 def _top_level_names(job: str, listing: Mapping[str, dict]) -> set[str]:

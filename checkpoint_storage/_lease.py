@@ -28,6 +28,10 @@ broken_by. The lease is the record with the highest epoch:
 - **release**: the holder marks its record released; the next coordinator takes over at once.
 - **break** (``checkpoints lease break``): publishes ``epoch-<n+1>`` as a released tombstone,
   which fences the old holder; a lease that is still held is only broken with ``force``.
+- **abandoned** (``abandoned_by_writer``): a ``chk-<id>`` without `_metadata` can only still
+  be completed by the lease's current holder, so it is abandoned when the lease is released
+  or expired, or when it was last modified more than a ttl (the clock skew the lease allows)
+  before the holder acquired it: a coordinator never continues an earlier one's checkpoint.
 
 A record that cannot be read counts as held (fail closed) until it is broken.
 """
@@ -60,6 +64,7 @@ __all__ = [
     "DEFAULT_LEASE_TTL",
     "JobLease",
     "LeaseRecord",
+    "abandoned_by_writer",
     "acquire_job_lease",
     "break_job_lease",
     "default_lease_owner",
@@ -570,6 +575,27 @@ def acquire_job_lease(
             raise _held_error(current, directory, wait)
         until_expiry = current.expires_at - now if math.isfinite(current.expires_at) else 1.0
         time.sleep(min(remaining, max(0.02, min(1.0, until_expiry + 0.01, ttl_seconds / 4))))
+
+
+def abandoned_by_writer(
+    record: LeaseRecord, last_modified: float | None, now: float | None = None
+) -> str | None:
+    """Why a ``chk-<id>`` without `_metadata`, last modified at ``last_modified`` (epoch
+    seconds; None: unknown), can no longer be completed under the job lease ``record``; None
+    when its holder may still be writing it (held, or unreadable: fail closed)."""
+    state = record.state(now)
+    if state in ("released", "expired"):
+        return f"no _metadata, and the job lease is {state} ({record.describe(now)})"
+    if (
+        state == "held"
+        and last_modified is not None
+        and last_modified < record.acquired_at - record.ttl_seconds
+    ):
+        return (
+            "no _metadata, and it was last written before the lease's holder acquired it "
+            f"({record.describe(now)})"
+        )
+    return None
 
 
 def read_job_lease(fs: AbstractFileSystem, job: str) -> LeaseRecord | None:

@@ -42,6 +42,7 @@ from checkpoint_storage._handles import (
     StreamStateHandle,
 )
 from checkpoint_storage._ids import JobID, checkpoint_directory_id, is_job_id
+from checkpoint_storage._lease import LeaseRecord, abandoned_by_writer, read_job_lease
 from checkpoint_storage._locations import CompletedCheckpointStorageLocation
 from checkpoint_storage._metadata import (
     FLINK,
@@ -92,6 +93,7 @@ KIND_SAVEPOINT = "savepoint"
 STATUS_COMPLETED = "completed"
 STATUS_INVALID = "invalid"
 STATUS_IN_PROGRESS = "in-progress"
+STATUS_ABANDONED = "abandoned"
 STATUS_FOREIGN = "foreign"
 STATUS_UNREADABLE = "unreadable"
 KIND_FLINK = "flink"
@@ -577,8 +579,12 @@ class CheckpointInfo:
     ``status`` is ``"completed"`` (valid `_metadata`), ``"invalid"`` (`_metadata` present but
     not valid, or of another checkpoint id than its ``chk-<id>``: ``reason`` says why),
     ``"foreign"`` (Apache Flink's `_metadata`; ``kind`` is ``"flink"``), ``"unreadable"``
-    (`_metadata` exists but cannot be opened) or ``"in-progress"`` (no `_metadata` yet, or
-    never).
+    (`_metadata` exists but cannot be opened), ``"in-progress"`` (no `_metadata` yet: the job
+    lease's holder may still complete it, or the job was never leased so nobody can tell) or
+    ``"abandoned"`` (a ``chk-<id>`` without `_metadata` that nobody can complete any more: the
+    job lease is released or expired, or its holder acquired it after this directory was last
+    written; ``reason`` says which). Garbage collection removes abandoned ones after its grace
+    period, and never a ``chk-<id>`` the lease's holder may still be writing.
     ``state_size`` and ``file_count`` come from `_metadata` for a completed checkpoint (inline
     state included in the size; files counted once); otherwise ``state_size`` is None and
     ``file_count`` is the number of files present in the directory. ``modified`` is when
@@ -671,11 +677,28 @@ def _listed_files(fs: AbstractFileSystem, candidates: list[_Candidate]) -> dict[
     return files
 
 
+def _lease_reader(fs: AbstractFileSystem) -> Callable[[str], LeaseRecord | None]:
+    """The job lease of a job directory (stripped path), read once per listing."""
+    leases: dict[str, LeaseRecord | None] = {}
+    lock = threading.Lock()
+
+    def lease_of(job: str) -> LeaseRecord | None:
+        with lock:
+            if job in leases:
+                return leases[job]
+        record = read_job_lease(fs, job)  # two threads may both read it: harmless
+        with lock:
+            return leases.setdefault(job, record)
+
+    return lease_of
+
+
 def _examine(
     fs: AbstractFileSystem,
     candidate: _Candidate,
     options: dict,
     listed: dict[str, list[dict]] | None = None,
+    lease_of: Callable[[str], LeaseRecord | None] = lambda job: None,
 ) -> CheckpointInfo:
     url = to_url(fs, candidate.path)
     name_id = checkpoint_directory_id(candidate.name)
@@ -697,8 +720,15 @@ def _examine(
     meta_entry = next((e for e in entries if _is_metadata_entry(e)), None)
     present = sum(1 for e in entries if e.get("type") == "file" and not _is_metadata_entry(e))
     if meta_entry is None:
+        status, reason = STATUS_IN_PROGRESS, None
+        record = None if name_id is None else lease_of(parent_and_name(candidate.path)[0])
+        if record is not None:  # never leased: nothing tells a live writer from a dead one
+            times = [_epoch_modification_time(e) for e in entries]
+            newest = max((t for t in times if t is not None), default=None)
+            reason = abandoned_by_writer(record, newest)
+            status = STATUS_IN_PROGRESS if reason is None else STATUS_ABANDONED
         return CheckpointInfo(
-            url, name_kind, name_id, STATUS_IN_PROGRESS, candidate.job_id, file_count=present
+            url, name_kind, name_id, status, candidate.job_id, reason=reason, file_count=present
         )
     modified = modification_time(meta_entry)
 
@@ -795,8 +825,9 @@ def list_checkpoints(
     if not candidates:
         return []
     listed = _listed_files(fs, candidates)
+    lease_of = _lease_reader(fs)
     with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
-        infos = list(pool.map(lambda c: _examine(fs, c, options, listed), candidates))
+        infos = list(pool.map(lambda c: _examine(fs, c, options, listed, lease_of), candidates))
     infos = _attribute_savepoints(infos)
     return sorted(
         infos,

@@ -467,6 +467,7 @@ def _crc(checksum: int | None) -> str | None:
 _STATUS_STYLES = {
     "completed": "green",
     "in-progress": "yellow",
+    "abandoned": "dim",
     "invalid": "red",
     "foreign": "red",
     "unreadable": "magenta",
@@ -1452,7 +1453,8 @@ def list_command(
     directory of savepoints, or a directory above them (e.g. a data directory with
     checkpoints/ and savepoints/scheduled/ below it: DIR is searched two levels deep). Per
     job: its pipeline name (master state "pipeline-name"); per chk-<id> or savepoint-*
-    directory: id, kind, status (completed / invalid / foreign / unreadable / in-progress),
+    directory: id, kind, status (completed / invalid / foreign / unreadable / in-progress /
+    abandoned: no _metadata and the job lease released, expired or taken since),
     source position (master state "source-position", e.g. "2026-10-06, 3 batches"), state
     size, file count and age. JSON: a list of objects with keys pointer, job_id,
     checkpoint_id, kind, status, reason, state_size, file_count, modified, age_seconds,

@@ -10,12 +10,16 @@ commands that read the state and backfill from it, and where everything is.
 """
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import logging
 import os
+import re
 import shlex
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -163,6 +167,94 @@ def error_summary(error) -> str:
     return first
 
 
+class Interrupt:
+    """Ctrl-C during a run (``stop_spark_on_interrupt``): whether it came, and how far the run
+    had got, from the progress lines it printed."""
+
+    _TO_APPLY = re.compile(r"(\S+): (\d+) of (\d+) batches to apply")
+    _BATCH = re.compile(r"(\S+): batch (\d+) of (\d+) ")
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.partition: str | None = None
+        self.applied = 0  # batches of ``partition`` in the state
+        self.session = None
+
+    def note(self, message: str) -> None:
+        if match := self._TO_APPLY.match(message):
+            self.partition = match[1]
+            self.applied = int(match[3]) - int(match[2])
+        elif match := self._BATCH.match(message):
+            self.partition, self.applied = match[1], int(match[2])
+
+    def line(self, name: str, latest) -> str:
+        """The one line that reports the interrupted run; ``latest``: the newest completed
+        checkpoint (``CompletedCheckpointStorageLocation``) or None."""
+        where = (
+            f"{self.partition} at batch {self.applied + 1}" if self.partition
+            else "before its first batch"
+        )  # fmt: skip
+        state = (
+            "is empty (no completed checkpoint)" if latest is None
+            else f"is at {latest.external_pointer} "
+            f"({SourcePosition.of(latest.load_metadata())})"
+        )  # fmt: skip
+        return (
+            f"interrupted: {name} {where}; the state {state}; run scripts/run again to continue"
+        )
+
+
+_interrupt: Interrupt | None = None  # the run in progress, for the progress logger
+
+
+@contextlib.contextmanager
+def stop_spark_on_interrupt(interrupt: Interrupt):
+    """Ctrl-C while the block runs cancels its Spark jobs instead of raising
+    KeyboardInterrupt: a KeyboardInterrupt raised in the middle of a py4j call (pyspark's own
+    SIGINT handler raises one) breaks the gateway connection and every later call fails with
+    py4j and Java traces. SIGINT is blocked in this thread (and the threads it starts) and
+    taken by a watcher thread, which silences Spark's log and cancels its jobs until the block
+    ends: the run fails at its next Spark job, its lease is released, and the block returns
+    with ``interrupt.requested`` set. A second Ctrl-C exits at once (130)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from resources import on_session_created
+
+    on_session_created(lambda session: setattr(interrupt, "session", session))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    finished = threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            if signal.sigtimedwait({signal.SIGINT}, 0.2) is not None:
+                break
+        else:
+            return
+        interrupt.requested.set()
+        quiet = False
+        while not finished.is_set():
+            session = interrupt.session
+            if session is not None:
+                with contextlib.suppress(Exception):  # the session may be stopping
+                    if not quiet:
+                        session.sparkContext.setLogLevel("OFF")
+                        quiet = True
+                    session.sparkContext.cancelAllJobs()  # also jobs started meanwhile
+            if signal.sigtimedwait({signal.SIGINT}, 0.5) is not None:
+                print("interrupted again: exiting at once", flush=True)
+                os._exit(130)
+
+    watcher = threading.Thread(target=watch, name="interrupt-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        finished.set()
+        watcher.join()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class _ProgressFormatter(logging.Formatter):
     """``HH:MM:SS  message``: the message as the step logged it, without Dagster's job, run
     id and step prefix; warnings keep Dagster's full text, a failure is one line (Dagster's
@@ -197,8 +289,21 @@ def progress_logger(init_context) -> logging.Logger:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(_ProgressFormatter())
+        handler.addFilter(_follow_interrupt)
         log.addHandler(handler)
     return log
+
+
+def _follow_interrupt(record: logging.LogRecord) -> bool:
+    """Feed progress lines to the run's ``Interrupt``; once Ctrl-C came, drop the warnings
+    and errors of the run failing because of it (its one line says what happened)."""
+    if _interrupt is None:
+        return True
+    if record.levelno >= logging.WARNING:
+        return not _interrupt.requested.is_set()
+    meta = getattr(record, "dagster_meta", None) or {}
+    _interrupt.note(meta.get("orig_message") or record.getMessage())
+    return True
 
 
 def _quiet_spark() -> None:
@@ -245,7 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if partitions:
         job = defs.resolve_job_def(f"{NAME}_job")
-        with dg.DagsterInstance.get() as instance:
+        global _interrupt
+        _interrupt = interrupt = Interrupt()
+        with dg.DagsterInstance.get() as instance, stop_spark_on_interrupt(interrupt):
             limit_pools(instance, defs)
             result = job.execute_in_process(
                 instance=instance,
@@ -256,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 raise_on_error=False,
             )
+        if interrupt.requested.is_set():
+            latest = storage.create_checkpoint_storage(job_id_for(NAME))
+            print(interrupt.line(NAME, latest.latest_completed_checkpoint()), flush=True)
+            return 130
         _print_run(result, NAME)
         status = 0 if result.success else 1
     _print_state(storage, home, defs)
@@ -345,4 +456,8 @@ def _print_state(storage, home: Path, defs: dg.Definitions) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C outside a run: no Spark to stop, nothing to report
+        print("\ninterrupted", flush=True)
+        sys.exit(130)

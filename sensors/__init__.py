@@ -63,6 +63,7 @@ from sensors.savepoints import (
     SavepointConfig,
     build_savepoint_job,
     build_savepoint_schedule,
+    savepoint_cron_for,
     savepoint_run_request,
     savepoint_target,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "retained_table",
     "pool_for",
     "runner_for",
+    "savepoint_cron_for",
     "savepoint_run_request",
     "savepoint_target",
     "savepoints_in_use",

@@ -30,7 +30,7 @@ from pipelines import (
     damaged_state,
 )
 from resources import CheckpointStorageResource, SparkResource
-from sensors._retained import retained_metadata
+from sensors._retained import WITHOUT_METADATA, retained_metadata
 
 __all__ = [
     "FAULT_INJECTION_ENV",
@@ -390,7 +390,7 @@ def integrity_check_result(
             found = list_checkpoints(directory, storage_options=storage.storage_options)
         except FileNotFoundError:
             found = []
-        with_metadata = [c for c in found if c.status != "in-progress"]
+        with_metadata = [c for c in found if c.status not in WITHOUT_METADATA]
         if not with_metadata:
             return result(False, f"no completed checkpoint in {directory}")
         newest = with_metadata[-1]

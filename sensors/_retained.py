@@ -34,6 +34,8 @@ __all__ = [
 RETAINED_METADATA_KEY = "retained"
 SCHEDULED_SAVEPOINT = "scheduled savepoint"
 HAND_MADE_SAVEPOINT = "savepoint"
+# Listed directories without a `_metadata`: nothing retained (yet, or ever).
+WITHOUT_METADATA = ("in-progress", "abandoned")
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ def retained_snapshots(
     rows = [
         _snapshot(info, info.kind)
         for info in _listed(f"{base}/{job}", options)
-        if info.status != "in-progress"
+        if info.status not in WITHOUT_METADATA
     ]
     savepoints = []
     if storage.savepoint_directory is not None:
@@ -107,7 +109,7 @@ def retained_snapshots(
             savepoints += [
                 _snapshot(info, kind)
                 for info in _listed(folder, options)
-                if info.status != "in-progress" and _owned_savepoint(info, job)
+                if info.status not in WITHOUT_METADATA and _owned_savepoint(info, job)
             ]
     epoch = dt.datetime.fromtimestamp(0, dt.UTC)
     savepoints.sort(key=lambda s: (s.modified or epoch, s.pointer))

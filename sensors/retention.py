@@ -8,7 +8,8 @@ Each evaluation (at most every ``minimum_interval_seconds``, default hourly) doe
    which a crash between "new checkpoint published" and "old one subsumed" leaves behind. The
    newest completed checkpoint is never subsumed.
 2. **Garbage collection** (``collect_garbage``): unreferenced files below ``chk-<id>/`` and
-   ``shared/`` older than the grace period (aborted checkpoints, failed task attempts).
+   ``shared/`` older than the grace period (abandoned checkpoints, failed task attempts); never
+   a ``chk-<id>`` whose writer still holds the job lease.
 3. **Savepoint retention** (optional): of the savepoints in ``<savepoint_dir>/scheduled`` (the
    savepoint schedule's, see ``sensors.savepoints``) the newest ``keep_scheduled_savepoints``
    are kept; savepoints made by hand (directly in ``<savepoint_dir>``) are kept unless

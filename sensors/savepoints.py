@@ -16,13 +16,22 @@ out; the job launched by hand (UI, ``dagster job launch -j <pipeline>_savepoint_
 configured otherwise. The place survives outside Dagster (a run's tags do not), so retention
 needs nothing but the storage to tell them apart; the runs carry a ``savepoint/kind`` tag too.
 
-The schedule (``SAVEPOINT_CRON``, default daily at 03:00 UTC) is idempotent per tick: its run
-key is the scheduled time. It skips, with the reason, while there is no completed checkpoint.
+The schedule follows the pipeline's partitions unless told otherwise (``savepoint_cron``):
+time-window partitions get a savepoint per partition, half a period (at most 3 hours) after
+each partition closes, in the partitions' timezone (``savepoint_cron_for``: hourly at :30,
+daily at 03:00, weekly on the partitions' day at 03:00, monthly on their day at 03:00, other
+crons at each partition end), so every partition boundary gets a savepoint once its run had
+time to finish. Static partitions have no period to follow: daily at 03:00 UTC
+(``DEFAULT_SAVEPOINT_CRON``). An explicit ``cron_schedule`` or ``SAVEPOINT_CRON`` (UTC) wins;
+when it fires less often than the partitions close, the schedule's description says so and a
+warning is logged when it is defined. The schedule is idempotent per tick: its run key is the
+scheduled time. It skips, with the reason, while there is no completed checkpoint.
 
 No ``from __future__ import annotations``: Dagster reads the config parameters' annotations.
 """
 
 import datetime as dt
+import logging
 import os
 
 import dagster as dg
@@ -39,12 +48,23 @@ __all__ = [
     "SavepointConfig",
     "build_savepoint_job",
     "build_savepoint_schedule",
+    "coarser_than_partitions",
+    "savepoint_cron_for",
     "savepoint_run_request",
     "savepoint_target",
 ]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_SAVEPOINT_CRON = "0 3 * * *"
 SAVEPOINT_KIND_TAG = "savepoint/kind"
+# How long after a partition closes its savepoint is taken (capped at half a period): time
+# for the partition's run to finish, so the savepoint holds the partition's end.
+SAVEPOINT_DELAY = dt.timedelta(hours=3)
+# Coarser or not is judged by counting ticks over this many partition periods.
+_COMPARED_PERIODS = 28
+_PERIODS = {"HOURLY": dt.timedelta(hours=1), "DAILY": dt.timedelta(days=1),
+            "WEEKLY": dt.timedelta(days=7), "MONTHLY": dt.timedelta(days=31)}  # fmt: skip
 
 
 class SavepointConfig(dg.Config):
@@ -160,25 +180,100 @@ def savepoint_run_request(
     )
 
 
+def savepoint_cron_for(partitions: dg.PartitionsDefinition) -> tuple[str, str]:
+    """The default savepoint cron and its timezone for a pipeline's ``partitions``: one
+    savepoint per time-window partition, half a period (at most ``SAVEPOINT_DELAY``) after
+    it closes; ``DEFAULT_SAVEPOINT_CRON`` in UTC for static partitions (no period)."""
+    if not isinstance(partitions, dg.TimeWindowPartitionsDefinition):
+        return DEFAULT_SAVEPOINT_CRON, "UTC"
+    kind = partitions.schedule_type.name if partitions.schedule_type is not None else None
+    if kind not in _PERIODS:  # another cron: at each partition end
+        return partitions.cron_schedule, partitions.timezone
+    delay = min(SAVEPOINT_DELAY, _PERIODS[kind] / 2) // dt.timedelta(minutes=1)
+    if kind == "HOURLY":
+        minute = (partitions.minute_offset + delay) % 60
+        return partitions.get_cron_schedule(minute_of_hour=minute), partitions.timezone
+    minutes = partitions.hour_offset * 60 + partitions.minute_offset + delay
+    days, minutes = divmod(minutes, 24 * 60)  # past midnight: the day after
+    day = {}
+    if kind == "WEEKLY":
+        day = {"day_of_week": ((partitions.day_offset or 0) + days) % 7}
+    elif kind == "MONTHLY":  # Dagster's monthly offsets stop at day 28 as well
+        day = {"day_of_month": min(28, (partitions.day_offset or 1) + days)}
+    cron = partitions.get_cron_schedule(
+        minute_of_hour=minutes % 60, hour_of_day=minutes // 60, **day
+    )
+    return cron, partitions.timezone
+
+
+def _ticks(cron: str, timezone: str, start: dt.datetime, end: dt.datetime) -> int:
+    """How many times ``cron`` fires (complete periods) between ``start`` and ``end``."""
+    windows = dg.TimeWindowPartitionsDefinition(
+        start=start, end=end, cron_schedule=cron, fmt="%Y-%m-%d-%H:%M", timezone=timezone
+    )
+    return len(windows.get_partition_keys())
+
+
+def coarser_than_partitions(
+    cron: str, timezone: str, partitions: dg.PartitionsDefinition
+) -> bool:
+    """Whether ``cron`` fires less often than ``partitions`` close (static: never)."""
+    if not isinstance(partitions, dg.TimeWindowPartitionsDefinition):
+        return False
+    kind = partitions.schedule_type.name if partitions.schedule_type is not None else None
+    start = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)  # a Monday: weeks and months align
+    end = start + _PERIODS.get(kind, dt.timedelta(days=1)) * _COMPARED_PERIODS
+    closed = _ticks(partitions.cron_schedule, partitions.timezone, start, end)
+    # One tick of slack: a cron offset from the partitions' own loses the window's last one.
+    return _ticks(cron, timezone, start, end) < closed - 1
+
+
+_warned: set[tuple[str, str]] = set()
+
+
 def build_savepoint_schedule(
     pipeline: StatefulPipeline,
     job: dg.JobDefinition,
     cron_schedule: str | None = None,
     default_status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.RUNNING,
 ) -> dg.ScheduleDefinition:
-    """``<pipeline>_savepoint_schedule`` on ``cron_schedule`` (default: ``SAVEPOINT_CRON`` or
-    daily at 03:00 UTC)."""
-    cron = cron_schedule or os.environ.get("SAVEPOINT_CRON") or DEFAULT_SAVEPOINT_CRON
+    """``<pipeline>_savepoint_schedule`` on ``cron_schedule`` or ``SAVEPOINT_CRON`` (UTC),
+    else the pipeline's partitions' (``savepoint_cron_for``). An explicit cron coarser than
+    the partitions is kept, described as such and logged once."""
     name = pipeline.name
+    explicit = cron_schedule or os.environ.get("SAVEPOINT_CRON")
+    if explicit:
+        cron, timezone = explicit, "UTC"
+        origin = "explicit" if cron_schedule else "SAVEPOINT_CRON"
+    else:
+        cron, timezone = savepoint_cron_for(pipeline.partitions)
+        origin = (
+            "static partitions: a fixed default"
+            if not isinstance(pipeline.partitions, dg.TimeWindowPartitionsDefinition)
+            else "one per partition, after it closes"
+        )
+    description = (
+        f"Take a savepoint of {name} into <savepoint_dir>/scheduled on '{cron}' ({timezone}; "
+        f"{origin}). Skips while there is no completed checkpoint."
+    )
+    if explicit and coarser_than_partitions(cron, timezone, pipeline.partitions):
+        coarser = (
+            f"'{cron}' ({origin}) is coarser than {name}'s partitions "
+            f"('{pipeline.partitions.cron_schedule}'): not every partition boundary gets a "
+            "savepoint"
+        )
+        description += f" Note: {coarser}."
+        if (name, cron) not in _warned:  # the code location may be built more than once
+            _warned.add((name, cron))
+            logger.warning("savepoint schedule of %s: %s", name, coarser)
 
     @dg.schedule(
         name=f"{name}_savepoint_schedule",
         job=job,
         cron_schedule=cron,
-        execution_timezone="UTC",
+        execution_timezone=timezone,
         default_status=default_status,
-        description=f"Take a savepoint of {name} into <savepoint_dir>/scheduled on '{cron}' "
-        "(UTC; SAVEPOINT_CRON). Skips while there is no completed checkpoint.",
+        description=description,
     )
     def savepoint_schedule(
         context: dg.ScheduleEvaluationContext, checkpoint_storage: CheckpointStorageResource

@@ -3,14 +3,21 @@ by the scheduled time; the job writes a real savepoint through Spark (scheduled 
 <savepoint_dir>/scheduled, hand-made ones into <savepoint_dir>) and records it as an
 observation; a backfill from it leaves checkpoints that a later regular run continues."""
 
+import dataclasses
 import datetime as dt
+import logging
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from pipelines import SourcePosition
-from sensors import SAVEPOINT_KIND_TAG, build_savepoint_job, pipeline_definitions
+from sensors import (
+    SAVEPOINT_KIND_TAG,
+    build_savepoint_job,
+    build_savepoint_schedule,
+    pipeline_definitions,
+)
 from tests.pipelines.support import click_pipeline
 from tests.sensors.conftest import (
     materialize_range,
@@ -67,6 +74,72 @@ def test_schedule_is_daily_by_default_and_running():
         savepoint_schedule.execution_timezone,
         savepoint_schedule.default_status,
     )
+
+
+def schedule_for(partitions, cron=None):
+    pipeline = dataclasses.replace(unused_click_pipeline(), partitions=partitions)
+    return build_savepoint_schedule(pipeline, build_savepoint_job(pipeline), cron)
+
+
+@pytest.mark.parametrize(
+    ("partitions", "expected"),
+    [
+        (dg.HourlyPartitionsDefinition(start_date="2026-10-01-00:00"), ("30 * * * *", "UTC")),
+        (
+            dg.HourlyPartitionsDefinition(start_date="2026-10-01-00:00", minute_offset=45),
+            ("15 * * * *", "UTC"),
+        ),
+        (dg.DailyPartitionsDefinition(start_date="2026-10-01"), ("0 3 * * *", "UTC")),
+        (
+            dg.DailyPartitionsDefinition(
+                start_date="2026-10-01", hour_offset=22, timezone="Europe/Berlin"
+            ),
+            ("0 1 * * *", "Europe/Berlin"),
+        ),
+        (dg.WeeklyPartitionsDefinition(start_date="2026-10-04"), ("0 3 * * 0", "UTC")),
+        (
+            dg.WeeklyPartitionsDefinition(start_date="2026-10-04", day_offset=6, hour_offset=23),
+            ("0 2 * * 0", "UTC"),
+        ),
+        (dg.MonthlyPartitionsDefinition(start_date="2026-10-01"), ("0 3 1 * *", "UTC")),
+        (dg.StaticPartitionsDefinition(["eu", "us"]), ("0 3 * * *", "UTC")),
+    ],
+)
+def test_default_schedule_follows_the_partitions(partitions, expected, monkeypatch):
+    """Without a cron: one savepoint per time-window partition, half a period (at most 3 h)
+    after it closes, in the partitions' timezone (past midnight: the next day); static
+    partitions keep daily at 03:00 UTC and say it is a fixed default."""
+    monkeypatch.delenv("SAVEPOINT_CRON", raising=False)
+    schedule = schedule_for(partitions)
+    assert expected == (schedule.cron_schedule, schedule.execution_timezone)
+    assert "coarser" not in schedule.description
+    static = isinstance(partitions, dg.StaticPartitionsDefinition)
+    origin = "static partitions: a fixed default" if static else "one per partition"
+    assert origin in schedule.description
+
+
+def test_explicit_coarser_cron_is_kept_and_described_as_coarser(monkeypatch, caplog):
+    """An hourly pipeline with a daily cron (argument or SAVEPOINT_CRON) keeps that cron; its
+    description and one warning at definition time say that it is coarser; a cron at least
+    as fine as the partitions says nothing of the kind."""
+    hourly = dg.HourlyPartitionsDefinition(start_date="2026-10-01-00:00")
+    monkeypatch.delenv("SAVEPOINT_CRON", raising=False)
+    with caplog.at_level(logging.WARNING, logger="sensors.savepoints"):
+        schedule = schedule_for(hourly, "0 3 * * *")
+        schedule_for(hourly, "0 3 * * *")  # built again (another process would log again)
+    assert ("0 3 * * *", "UTC") == (schedule.cron_schedule, schedule.execution_timezone)
+    assert "'0 3 * * *' (explicit) is coarser than user_activity's partitions" in (
+        schedule.description
+    )
+    assert 1 == sum("is coarser than" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("SAVEPOINT_CRON", "0 3 * * 1-5")
+    from_env = schedule_for(dg.DailyPartitionsDefinition(start_date="2026-10-01"))
+    assert "0 3 * * 1-5" == from_env.cron_schedule
+    assert "(SAVEPOINT_CRON) is coarser than" in from_env.description
+    assert "coarser" not in schedule_for(hourly, "*/20 * * * *").description
+    assert "coarser" not in schedule_for(
+        dg.DailyPartitionsDefinition(start_date="2026-10-01"), "0 5 * * *"
+    ).description
 
 
 def test_code_location_registers_the_schedule_and_sensors_running():

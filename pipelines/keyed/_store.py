@@ -37,7 +37,7 @@ from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
 __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "group_hash_order",
-           "remove_store"]
+           "remove_store", "stored_version"]
 
 _HASH = "_hash"
 _DELETED = "_deleted"
@@ -556,6 +556,16 @@ def group_hash_order(groups: np.ndarray, hashes: np.ndarray) -> np.ndarray:
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:
     return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             ).to_numpy(zero_copy_only=False)
+
+
+def stored_version(directory: str | os.PathLike) -> str | None:
+    """The ``version`` a store directory's manifest records, without opening the store (None:
+    no store there, or an unreadable manifest)."""
+    try:
+        version = json.loads((Path(directory) / _MANIFEST).read_text()).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 def remove_store(directory: str | os.PathLike) -> None:

@@ -103,10 +103,16 @@ class StalledWriter:
         self.groups = [int(g) for g in (self.work / driver.STOPPING).read_text().split()]
         return self
 
+    def states(self) -> list[str]:
+        """The scheduler state of each of the writer's processes (driver group and Python
+        workers)."""
+        return [s for g in self.groups for s in _group_states(g)]
+
     def stopped(self) -> bool:
-        """Whether every process of the writer (driver group and Python workers) is stopped."""
-        states = [s for g in self.groups for s in _group_states(g)]
-        return bool(states) and all(s in "Tt" for s in states)
+        """Whether every live process of the writer is stopped (a zombie, e.g. a Python worker
+        that ended before its stopped daemon reaped it, holds no lock)."""
+        live = [s for s in self.states() if s not in "ZX"]
+        return bool(live) and all(s in "Tt" for s in live)
 
     def resume(self) -> None:
         for group in self.groups:
@@ -187,8 +193,10 @@ def stalled_round(work: Path) -> dict:
     try:
         successor, unblocked = _run(work, ["p1"], stalled=stalled)
         still_stopped = stalled.stopped()
+        states = "".join(stalled.states())
         published = metadata_files(work)
         code = stalled.finish()
+        unchanged = metadata_files(work) == published
     finally:
         stalled.kill()
     fenced = (code != 0 and "JobLeaseLostError" in stalled.stderr()
@@ -202,7 +210,8 @@ def stalled_round(work: Path) -> dict:
         "seconds": seconds,
         "private": any("private copy" in line for line in successor["progress"]),
         "held": still_stopped,
-        "published": int(metadata_files(work) != published) + int(not fenced),
+        "states": states,
+        "published": int(not unchanged) + int(not fenced),
         "wrong": sum(state.get(k) != v for k, v in want.items()) + len(set(state) - set(want)),
     }
 
@@ -228,7 +237,9 @@ def sigstop_writers(rounds: int) -> tuple[int, int, str]:
         f"private_copies={sum(r['private'] for r in done)} "
         f"successor_s(lease->end, ttl {TTL:.0f} s)="
         + ",".join(f"{r['seconds']:.1f}" for r in done)
-        + "".join(f"; error: {r['error']!r}" for r in reports if "error" in r))
+        + "".join(f"; error: {r['error']!r}" for r in reports if "error" in r)
+        + "".join(f"; writer not stopped throughout (process states {r['states']})"
+                  for r in done if not r["held"]))
     return len(reports), failures, figure
 
 

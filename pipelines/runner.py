@@ -416,7 +416,9 @@ class StatefulRunner:
     parallelism is rescaled first. Their local stores live below ``keyed_local_dir`` on each
     executor (default: its temp directory); a batch's task removes the stores there (any
     job's) not written for ``keyed_local_max_age`` (default 7 days; None: never), caches a
-    later batch would rebuild from the checkpoint.
+    later batch would rebuild from the checkpoint. A task waits at most ``lease_ttl`` for a
+    local store's lock (held by a stalled task, e.g. of a fenced earlier run), then rebuilds
+    the range in a private copy beside it.
 
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
@@ -462,7 +464,7 @@ class StatefulRunner:
             self._keyed = KeyedStageDriver(
                 spark, storage, str(self.job_id), pipeline.max_parallelism,
                 pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir,
-                task_after_write, keyed_local_max_age)
+                task_after_write, keyed_local_max_age, local_lock_timeout=lease_ttl)
         # The index of the keyed stage that is the source's only reader, if one is: it reads
         # and counts each batch in its one pass, so the batch is not pinned first.
         readers = [n for n in range(len(self.stages)) if pipeline.input_of(n) == SOURCE]
@@ -1224,19 +1226,26 @@ def _check_state_schema(stage, state: DataFrame) -> None:
 
 def _rebuild_notes(stage: str, ranges) -> list[str]:
     """A progress note when ranges had to rebuild their local store from the checkpoint (a
-    task on another executor, or stores lost), with what it cost."""
+    task on another executor, or stores lost), with what it cost, and one when ranges ran on
+    a private copy of their store (its lock held elsewhere past the lock timeout)."""
     rebuilt = [r for r in ranges if r.rebuilt]
-    if not rebuilt:
-        return []
+    private = [r for r in ranges if r.private]
     damaged = [r for r in rebuilt if r.damage]
     for result in damaged:  # the executor logged it too, in its own log
         logger.warning("keyed stage %s, range %d (key groups %s): %s; the local store was "
                        "rebuilt from the checkpoint", stage, result.operator_index,
                        result.key_groups, result.damage)
-    return [f"{stage}: rebuilt {len(rebuilt)} local store(s) from the checkpoint "
-            f"({sum(r.rebuild_rows for r in rebuilt)} rows, "
-            f"{max(r.rebuild_seconds for r in rebuilt):.1f} s"
-            + (f", {len(damaged)} damaged or unreadable" if damaged else "") + ")"]
+    notes = []
+    if rebuilt:
+        notes.append(f"{stage}: rebuilt {len(rebuilt)} local store(s) from the checkpoint "
+                     f"({sum(r.rebuild_rows for r in rebuilt)} rows, "
+                     f"{max(r.rebuild_seconds for r in rebuilt):.1f} s"
+                     + (f", {len(damaged)} damaged or unreadable" if damaged else "") + ")")
+    if private:
+        notes.append(f"{stage}: {len(private)} range(s) ran on a private copy of their local "
+                     "store, locked by another process (a stalled task?; waited "
+                     f"{max(r.lock_wait_seconds for r in private):.1f} s)")
+    return notes
 
 
 def _checkpoint_line(summary: CheckpointSummary) -> str:

@@ -16,6 +16,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
 from checkpoint_storage import (
+    DEFAULT_LEASE_TTL,
     STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
     CheckpointMetadata,
@@ -115,12 +116,14 @@ class KeyedStageDriver:
     Spark's default parallelism; a restore at another parallelism is rescaled by
     materialising the new ranges), ``policy`` for periodic materialisation, local stores
     below ``local_dir`` on each executor (None: its temp directory), removed there once not
-    written for ``local_max_age`` (None: never)."""
+    written for ``local_max_age`` (None: never); a task waits at most ``local_lock_timeout``
+    for a store's lock (the runner's lease ttl), then runs on a private copy of the store."""
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
                  max_parallelism: int, parallelism: int | None, policy: MaterialisationPolicy,
                  local_dir: str | None = None, after_write=None,
-                 local_max_age: dt.timedelta | None = DEFAULT_LOCAL_STORE_MAX_AGE) -> None:
+                 local_max_age: dt.timedelta | None = DEFAULT_LOCAL_STORE_MAX_AGE,
+                 local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL) -> None:
         self.spark = spark
         self.storage = storage
         self.job_id = job_id
@@ -130,6 +133,7 @@ class KeyedStageDriver:
         self.local_dir = local_dir
         self.local_max_age = local_max_age
         self.after_write = after_write  # test seam: KeyedStageTask.after_write
+        self.local_lock_timeout = local_lock_timeout
 
     @property
     def parallelism(self) -> int:
@@ -200,7 +204,8 @@ class KeyedStageDriver:
             self.storage, self.job_id, checkpoint_id, reference, state.stage,
             state.stage.output_schema, self.max_parallelism,
             parallelism or state.parallelism, state.chains, batch, now, state.clock,
-            self.local_dir, self.local_max_age, self.after_write)
+            self.local_dir, self.local_max_age, self.after_write,
+            local_lock_timeout=self.local_lock_timeout)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

@@ -24,6 +24,7 @@ import os
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
@@ -40,6 +41,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from checkpoint_storage import (
+    DEFAULT_LEASE_TTL,
     ByteStreamStateHandle,
     CheckpointStorage,
     CheckpointStorageLocationReference,
@@ -63,7 +65,12 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
-from pipelines.keyed._store import ArrowKeyedStateStore, LocalStoreError, remove_store
+from pipelines.keyed._store import (
+    ArrowKeyedStateStore,
+    LocalStoreError,
+    remove_store,
+    stored_version,
+)
 
 __all__ = [
     "OPERATOR_INDEX",
@@ -123,6 +130,8 @@ _RESULT_SCHEMA = pa.schema([
     ("rebuild_rows", pa.int64()),
     ("rebuild_seconds", pa.float64()),
     ("damage", pa.string()),  # why the local store could not be used (None: it could)
+    ("private", pa.bool_()),  # ran on a private copy of the local store (its lock was held)
+    ("lock_wait_seconds", pa.float64()),
     ("newest", pa.int64()),  # the batch's newest event time, microseconds since the epoch
     *[(f.name, t) for f, t in zip(fields(StateHandleRef), (
         pa.string(), pa.string(), pa.int64(), pa.int64(), pa.binary(), pa.string(), pa.int64(),
@@ -200,7 +209,9 @@ class KeyedStageTask:
     for this long (``sweep_idle_stores``; None: never). ``after_write``: a
     test seam, ``after_write(operator_index, attempt)`` runs on the executor once a range's
     change file or snapshot is written and its local store updated, before the result
-    reaches the driver (the runner's ``task_after_write``)."""
+    reaches the driver (the runner's ``task_after_write``). ``local_lock_timeout``: the
+    longest a task waits for a local store's lock before it runs on a private copy of the
+    store (``_locked_store``); the runner passes its lease ttl."""
 
     storage: CheckpointStorage
     job_id: str
@@ -218,6 +229,7 @@ class KeyedStageTask:
     local_max_age: dt.timedelta | None = None
     after_write: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
+    local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chains", tuple(
@@ -235,6 +247,9 @@ class KeyedStageTask:
             raise ValueError(f"{where}: the chains {[f'{s}-{e}' for s, e in covered]} must cover "
                              f"key groups 0-{self.max_parallelism - 1} once each; pass the "
                              "chains of the last completed checkpoint")
+        if self.local_lock_timeout < dt.timedelta(0):
+            raise ValueError(f"{where}: local_lock_timeout must not be negative, got "
+                             f"{self.local_lock_timeout}")
         if self.stage.ttl is not None and (self.now is None or self.now.tzinfo is None):
             raise ValueError(f"{where}: a stage with ttl needs the task's now (a timezone-aware "
                              "datetime: the batch's time)")
@@ -276,11 +291,17 @@ class _Locked:
     """An exclusive lock on a range's store directory, so two tasks of one executor (e.g. a
     speculative attempt) never write the same store at once. A sweep unlinks the lock file
     of a store it removes, so a lock taken on a file that is no longer at its path (a waiter
-    got it after the unlink) is dropped and taken again on the path's file."""
+    got it after the unlink) is dropped and taken again on the path's file.
 
-    def __init__(self, directory: Path, *, blocking: bool = True) -> None:
+    ``blocking=False`` tries once; ``timeout`` (seconds) waits at most that long (polling, as
+    ``flock`` has no timeout); else it waits for as long as the holder keeps the lock.
+    ``held`` says whether the lock was taken."""
+
+    def __init__(self, directory: Path, *, blocking: bool = True,
+                 timeout: float | None = None) -> None:
         self.path = directory.with_name(directory.name + ".lock")
         self._blocking = blocking
+        self._timeout = timeout
         self._file = None
         self.held = False
 
@@ -294,11 +315,32 @@ class _Locked:
         raise LocalStoreError(f"cannot create the lock file {self.path}: its directory keeps "
                               "vanishing; is something else cleaning the local store directory?")
 
+    def _lock(self, file, deadline: float | None) -> None:
+        """Take the lock on ``file``; BlockingIOError once it cannot be had (by ``deadline``)."""
+        if not self._blocking:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        if deadline is None:
+            fcntl.flock(file, fcntl.LOCK_EX)
+            return
+        pause = 0.01
+        while True:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise
+                time.sleep(min(pause, remaining))
+                pause = min(pause * 2, 0.25)
+
     def __enter__(self):
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
         while True:
             file = self._open()
             try:
-                fcntl.flock(file, fcntl.LOCK_EX | (0 if self._blocking else fcntl.LOCK_NB))
+                self._lock(file, deadline)
             except BlockingIOError:
                 file.close()
                 return self
@@ -320,7 +362,19 @@ class _Locked:
             self._file, self.held = None, False
 
 
+def _is_held(directory: Path) -> bool:
+    """Whether a task holds the lock of the store at ``directory`` right now."""
+    if not directory.with_name(directory.name + ".lock").exists():
+        return False
+    with _Locked(directory, blocking=False) as locked:
+        return not locked.held
+
+
 _STORE_DIRECTORY = re.compile(r"m\d+-kg\d+-\d+")
+# A private copy of a range's store, beside it: what a task runs on when another process
+# holds the store's lock for longer than the task's lock timeout (``_locked_store``).
+_PRIVATE = ".private-"
+_PRIVATE_DIRECTORY = re.compile(r"(m\d+-kg\d+-\d+)\.private-[0-9a-f]{32}")
 
 
 DEFAULT_LOCAL_STORE_MAX_AGE = dt.timedelta(days=7)
@@ -347,7 +401,9 @@ def _remove_unheld(store: Path, still: Callable[[], bool] = lambda: True) -> boo
 def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
     """Remove this stage's local stores on this executor that belong to no range of the task's
     parallelism (an earlier parallelism's, after rescaling): caches no batch will ship a chain
-    for. A store another task holds (its lock taken) and anything that is not a store are left
+    for; and private copies of stores (``_locked_store``) no task holds, but a current
+    range's while its store is held (the copy is then the range's state for its next task).
+    A store another task holds (its lock taken) and anything that is not a store are left
     alone. Returns the directories removed."""
     wanted = {local_store_directory(task, task.key_groups(i)).name
               for i in range(task.parallelism)}
@@ -358,14 +414,44 @@ def sweep_other_ranges(task: KeyedStageTask) -> list[Path]:
         return []
     removed = []
     for entry in entries:
-        if entry.name in wanted or not _STORE_DIRECTORY.fullmatch(entry.name):
+        private = _private_of(entry)
+        if private is not None:
+            # A wanted range's private copy stays while its store is held: it holds the
+            # range's current state, for the range's next task to run on.
+            entry = private
+            still = ((lambda p=private: _private_abandoned(p))
+                     if _private_base(private).name in wanted else (lambda: True))
+        elif entry.name in wanted or not _STORE_DIRECTORY.fullmatch(entry.name):
             continue
+        else:
+            still = lambda: True  # noqa: E731
         try:
-            if _remove_unheld(entry):
+            if entry not in removed and _remove_unheld(entry, still):
                 removed.append(entry)
         except (OSError, LocalStoreError) as exc:
             logger.warning("local keyed-state store %s not swept: %s", entry, exc)
     return removed
+
+
+def _private_of(entry: Path) -> Path | None:
+    """The private copy ``entry`` is, or is the lock file of (a copy whose task was killed
+    before it made the directory); None for anything else."""
+    name = entry.name.removesuffix(".lock")
+    private = entry.with_name(name)
+    if not _PRIVATE_DIRECTORY.fullmatch(name) or (private.exists() and not private.is_dir()):
+        return None
+    return private
+
+
+def _private_base(private: Path) -> Path:
+    """The store a private copy stands in for."""
+    return private.with_name(private.name.split(_PRIVATE)[0])
+
+
+def _private_abandoned(private: Path) -> bool:
+    """Whether a private copy is no longer needed: its store's lock is free, so the range's
+    next task runs on the store (and rebuilds it, as it is stale)."""
+    return not _is_held(_private_base(private))
 
 
 def _last_written(store: Path) -> float:
@@ -381,8 +467,10 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     """Remove the local stores below ``root`` (``<root>/<job>/<stage>/<range>``, any job's)
     not written for ``max_age``: caches of finished jobs, or of ranges now run elsewhere,
     which a batch that needs one again rebuilds from its chain. Runs at most once an hour
-    per ``root`` (a marker file's time). ``keep`` (the calling task's store), a store
-    another task holds and anything that is not a store are left alone; emptied job and
+    per ``root`` (a marker file's time). Private copies of stores (``_locked_store``) go
+    when idle too, or as soon as no task holds them nor their store (a killed task's).
+    ``keep`` (the calling task's store), a store another task holds and anything that is
+    not a store are left alone; emptied job and
     stage directories go too. Housekeeping: an I/O error skips what it hit (logged), never
     fails the caller. Returns the stores removed."""
     now = time.time() if now is None else now
@@ -404,13 +492,22 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
         except FileNotFoundError:
             return False  # removed meanwhile
 
+    def private_done(private: Path) -> bool:
+        return not private.exists() or idle(private) or _private_abandoned(private)
+
     removed = []
-    for store in sorted(root.glob("*/*/*")):
-        if store == keep or not _STORE_DIRECTORY.fullmatch(store.name):
+    for entry in sorted(root.glob("*/*/*")):
+        private = _private_of(entry)
+        if private is not None:  # a private copy (or its lock file): idle, or not needed
+            store, due = private, private_done
+        elif entry == keep or not _STORE_DIRECTORY.fullmatch(entry.name) or not entry.is_dir():
             continue
+        else:
+            store, due = entry, idle
         try:
             # Checked again under the store's lock: a task may have written it meanwhile.
-            if store.is_dir() and idle(store) and _remove_unheld(store, lambda s=store: idle(s)):
+            if store not in removed and due(store) and _remove_unheld(
+                    store, lambda s=store, due=due: due(s)):
                 removed.append(store)
         except (OSError, LocalStoreError) as exc:
             logger.warning("local keyed-state store %s not swept: %s", store, exc)
@@ -459,6 +556,72 @@ def _open_local(task: KeyedStageTask, key_groups: KeyGroupRange,
         return store
     store.close()
     return None
+
+
+@contextlib.contextmanager
+def _locked_store(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
+                  stats: dict, *, local_only: bool = False
+                  ) -> Iterator[ArrowKeyedStateStore | None]:
+    """The range's local store holding exactly the shipped chains' state (``_open_current``),
+    locked for the caller until the block ends, then closed.
+
+    A task never waits for the store's lock longer than ``task.local_lock_timeout``: a
+    process stopped while it holds it (e.g. a fenced writer of an earlier run, SIGSTOPped)
+    must not stall the job. Once the lock is held elsewhere, the task runs on a private copy
+    beside the store instead (``<store>.private-<uuid>``, locked too): an unheld one holding
+    the shipped chains' state at once (one an earlier batch's task left), else, after the
+    timeout, a new one rebuilt from the chains. Copies stay for the range's next task while
+    the store is held, and are swept once it is free again. Correctness does not rest on the
+    lock: a store or copy is used only when its ``version`` is the shipped chains'.
+    ``local_only``: the store as it is (``_open_local``), None if it does not hold the chains'
+    state: never rebuilt from them."""
+    version = chain_version(key_groups, task.sources(key_groups))
+    with contextlib.ExitStack() as held:
+        where = _lock_for(task, directory, version, stats, held)
+        store = (_open_local(task, key_groups, where) if local_only
+                 else _open_current(task, key_groups, where, stats))
+        if store is not None:
+            held.callback(store.close)
+        yield store
+
+
+def _lock_for(task: KeyedStageTask, directory: Path, version: str, stats: dict,
+              held: contextlib.ExitStack) -> Path:
+    """Lock the range's store, or a private copy of it (see ``_locked_store``), on ``held``;
+    returns the directory locked."""
+    if held.enter_context(_Locked(directory, blocking=False)).held:
+        return directory
+    try:
+        copies = sorted(p for p in directory.parent.iterdir()
+                        if p.name.startswith(directory.name + _PRIVATE)
+                        and _PRIVATE_DIRECTORY.fullmatch(p.name) and p.is_dir())
+    except FileNotFoundError:
+        copies = []
+    for copy in copies:
+        with contextlib.ExitStack() as attempt:
+            if not attempt.enter_context(_Locked(copy, blocking=False)).held:
+                continue  # another task runs on it
+            if copy.is_dir() and stored_version(copy) == version:
+                held.enter_context(attempt.pop_all())
+                stats["private"] = True
+                return copy
+        with contextlib.suppress(OSError, LocalStoreError):
+            _remove_unheld(copy)  # a stale copy: no chain will match it again
+    timeout = task.local_lock_timeout.total_seconds()
+    started = time.monotonic()
+    locked = held.enter_context(_Locked(directory, timeout=timeout))
+    stats["lock_wait_seconds"] = time.monotonic() - started
+    if locked.held:
+        return directory
+    copy = directory.with_name(f"{directory.name}{_PRIVATE}{uuid.uuid4().hex}")
+    if not held.enter_context(_Locked(copy, blocking=False)).held:
+        raise LocalStoreError(f"the new private store {copy} is locked already; is something "
+                              "else writing the local store directory?")
+    logger.warning("local keyed-state store %s: locked by another process for more than "
+                   "%.1f s (a stalled task?); this task rebuilds the range in %s", directory,
+                   timeout, copy.name)
+    stats["private"] = True
+    return copy
 
 
 def _change_file_storage(storage: CheckpointStorage,
@@ -638,43 +801,39 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
     layout, stage = task.layout, task.stage
     _, attempt = _context()
     stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
-             "input_rows": table.num_rows}
+             "private": False, "lock_wait_seconds": 0.0, "input_rows": table.num_rows}
     table = table.drop_columns([OPERATOR_INDEX])
     directory = local_store_directory(task, key_groups)
     cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
     sweep_other_ranges(task)
     if task.local_max_age is not None:
         sweep_idle_stores(_local_root(task), task.local_max_age, keep=directory)
-    with _Locked(directory):
-        store = _open_current(task, key_groups, directory, stats)
-        try:
-            state = store.get(table.select(list(stage.key)), cutoff=cutoff)
-            if layout.processing_time_ttl:
-                state = state.drop_columns(["_written_at"])
-            result = stage.run(table, state)
-            upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
-            (chain,) = task.sources(key_groups)
-            access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
-                task.job_id)
-            # file merging across checkpoints: this range's change files go, one after the
-            # other, into the physical file of its last appended one (checkpoint_storage's
-            # _appending.py); None: a new chain, or the chain of another parallelism
-            previous = next((h for h in reversed(chain.changes) if is_appended_segment(h)),
-                            None) if chain.key_groups == key_groups else None
-            access = access.to_appending_storage(
-                SubtaskKey(access.job_id.hex, stage.name, operator_index, task.parallelism),
-                previous)
-            factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
-                                                                 task.reference)
-            change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
-                                       _file_prefix(task, key_groups, "b", attempt))
-            store.apply(upserts, result.deletes,
-                        version=chain_version(key_groups, [chain.appended(change)]))
-            stats["state_rows"] = store.num_rows
-            # at this batch's cutoff, while the store is open: one vectorised comparison
-            stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
-        finally:
-            store.close()
+    with _locked_store(task, key_groups, directory, stats) as store:
+        state = store.get(table.select(list(stage.key)), cutoff=cutoff)
+        if layout.processing_time_ttl:
+            state = state.drop_columns(["_written_at"])
+        result = stage.run(table, state)
+        upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
+        (chain,) = task.sources(key_groups)
+        access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
+            task.job_id)
+        # file merging across checkpoints: this range's change files go, one after the
+        # other, into the physical file of its last appended one (checkpoint_storage's
+        # _appending.py); None: a new chain, or the chain of another parallelism
+        previous = next((h for h in reversed(chain.changes) if is_appended_segment(h)),
+                        None) if chain.key_groups == key_groups else None
+        access = access.to_appending_storage(
+            SubtaskKey(access.job_id.hex, stage.name, operator_index, task.parallelism),
+            previous)
+        factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                             task.reference)
+        change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
+                                   _file_prefix(task, key_groups, "b", attempt))
+        store.apply(upserts, result.deletes,
+                    version=chain_version(key_groups, [chain.appended(change)]))
+        stats["state_rows"] = store.num_rows
+        # at this batch's cutoff, while the store is open: one vectorised comparison
+        stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
     if task.after_write is not None:
         task.after_write(operator_index, attempt)
     output = _conform_output(result.output, task)
@@ -723,7 +882,9 @@ def _decode_output(schema: pa.Schema,
 @dataclass(frozen=True)
 class KeyedRangeResult:
     """What one range's task wrote for a batch (or a materialisation): the handle of its change
-    file (or snapshot), its rows, and whether the local store had to be rebuilt first."""
+    file (or snapshot), its rows, whether the local store had to be rebuilt first, and
+    whether the task ran on a private copy of it (``private``: another process held the
+    store's lock) and how long it waited for the lock."""
 
     operator_index: int
     key_groups: KeyGroupRange
@@ -739,6 +900,8 @@ class KeyedRangeResult:
     output_rows: int = 0
     expired_rows: int = 0  # of state_rows, expired at the task's cutoff (not dropped yet)
     damage: str | None = None  # why the local store was unusable (damaged), naming the file
+    private: bool = False
+    lock_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -790,7 +953,7 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
             bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
             row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0,
-            row["damage"])
+            row["damage"], bool(row["private"]), row["lock_wait_seconds"] or 0.0)
     return [results[i] for i in sorted(results)]
 
 
@@ -934,33 +1097,29 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
             key_groups = task.key_groups(operator_index)
             directory = local_store_directory(task, key_groups)
             stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
-                     "input_rows": 0}
-            with _Locked(directory):
-                store = (_open_local(task, key_groups, directory) if local_only
-                         else _open_current(task, key_groups, directory, stats))
+                     "private": False, "lock_wait_seconds": 0.0, "input_rows": 0}
+            with _locked_store(task, key_groups, directory, stats,
+                               local_only=local_only) as store:
                 if store is None:
                     yield pa.RecordBatch.from_pylist([{
                         "row_kind": _NO_LOCAL_STORE, "operator_index": operator_index,
                         "attempt": attempt}], schema=_RESULT_SCHEMA)
                     continue
-                try:
-                    if adopt and cutoff is not None:
-                        store.drop_expired(cutoff)
-                    access = task.storage.create_checkpoint_storage(task.job_id)
-                    factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
-                                                                         task.reference)
-                    written = [0]
-                    handle = write_materialisation(
-                        factory, layout, key_groups,
-                        _unexpired(store.sorted_batches(), layout, cutoff, written),
-                        _file_prefix(task, key_groups, "m", attempt))
-                    if adopt:
-                        store.apply(layout.stored_schema.empty_table(),
-                                    layout.key_schema.empty_table(),
-                                    version=chain_version(key_groups,
-                                                          [KeyedStateChain(key_groups, handle)]))
-                finally:
-                    store.close()
+                if adopt and cutoff is not None:
+                    store.drop_expired(cutoff)
+                access = task.storage.create_checkpoint_storage(task.job_id)
+                factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                                     task.reference)
+                written = [0]
+                handle = write_materialisation(
+                    factory, layout, key_groups,
+                    _unexpired(store.sorted_batches(), layout, cutoff, written),
+                    _file_prefix(task, key_groups, "m", attempt))
+                if adopt:
+                    store.apply(layout.stored_schema.empty_table(),
+                                layout.key_schema.empty_table(),
+                                version=chain_version(key_groups,
+                                                      [KeyedStateChain(key_groups, handle)]))
             if task.after_write is not None:
                 task.after_write(operator_index, attempt)
             stats["state_rows"] = written[0]

@@ -50,7 +50,7 @@ from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
 __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "group_hash_order",
-           "remove_store"]
+           "remove_store", "stored_version"]
 
 _HASH = "_hash"
 _DELETED = "_deleted"
@@ -766,6 +766,17 @@ def _only_store_files(directory: Path) -> bool:
         return False
     return bool(names) and all(_FILE_NAME.fullmatch(name)
                                or name.startswith(f".{_MANIFEST}.") for name in names)
+
+
+def stored_version(directory: str | os.PathLike) -> str | None:
+    """The ``version`` a store directory's manifest records, without opening the store (None:
+    no store there, or an unreadable manifest)."""
+    try:
+        document = json.loads((Path(directory) / _MANIFEST).read_text())
+        version = document.get("body", {}).get("version")  # unverified: a hint, not state
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 def remove_store(directory: str | os.PathLike) -> None:

@@ -4,8 +4,8 @@ SIGKILLed at a chosen point, or run with Spark task attempts killed after their 
 pytest process holds a local[2] SparkContext already, without task retries).
 
     python tests/pipelines/keyed_fault_driver.py --work-dir DIR --partitions p1,p2
-        [--parallelism N] [--batches N] [--kill POINT] [--task-kills] [--master URL] [--straggle]
-        [--merging]
+        [--parallelism N] [--batches N] [--kill POINT] [--stop POINT] [--task-kills]
+        [--master URL] [--straggle] [--merging] [--state]
 
 ``--kill`` SIGKILLs the driver's process group (the driver, its JVM and, in local mode, the
 executors) and the Python worker that triggers it, once it reaches POINT:
@@ -19,8 +19,12 @@ executors) and the Python worker that triggers it, once it reaches POINT:
   ``info[name] == value`` (``batch_applied`` / ``partition``, ``batch``; ``before_metadata``
   / ``checkpoint_id``).
 
-Before the kill it writes the point to ``<work dir>/killed``. A run that completes prints
-``RESULT <json>``. ``--task-kills`` (use a master with retries, e.g. ``local[2,3]``): attempt
+Before the kill it writes the point to ``<work dir>/killed``. ``--stop write:...`` SIGSTOPs
+instead, inside the write (the task holds its range's local store lock): the driver's process
+group (its lease is no longer renewed), then the Python workers' (``stall``). A run that
+completes prints ``RESULT <json>``: the checkpoints taken, when the lease was taken and the
+run ended (``time.time()``), its progress lines and, with ``--state``, the final state.
+``--task-kills`` (use a master with retries, e.g. ``local[2,3]``): attempt
 0 of range 1 exits (its Python worker dies) and attempt 1 of range 0 raises after each state
 file they write and their local store's update. ``--straggle`` (a two-host cluster with
 speculation): attempt 0 of range 1 stalls after its writes, so a speculative copy overtakes it.
@@ -56,6 +60,8 @@ from tests.pipelines import test_keyed_runner as totals  # noqa: E402
 PGID_ENV = "KEYED_FAULT_PGID"
 WRITE_ENV = "KEYED_FAULT_WRITE"
 KILLED_ENV = "KEYED_FAULT_MARKER"
+STOP_ENV = "KEYED_FAULT_STOP"  # set: the write point SIGSTOPs (``stall``) instead of killing
+STOPPING, STOPPED = "stopping", "stopped"  # stall's markers in the work directory
 LEASE_TTL = dt.timedelta(seconds=3)  # a killed driver's lease expires soon after
 STRAGGLER_SLEEP = 30.0
 
@@ -106,6 +112,9 @@ def storage_of(work: Path, merging: bool = False, kind=FileSystemCheckpointStora
 def crash(point: str) -> None:
     """SIGKILL the driver's process group, then this process's (a Python worker's: the
     PySpark daemon and its workers have their own group, and hold the driver's stdout)."""
+    if os.environ.get(STOP_ENV):
+        stall()
+        return
     write_marker(Path(os.environ[KILLED_ENV]), point)
     os.killpg(int(os.environ[PGID_ENV]), signal.SIGKILL)
     os.killpg(os.getpgid(0), signal.SIGKILL)
@@ -125,6 +134,23 @@ def write_marker(marker: Path, point: str) -> None:
         pass  # another task got there first with the same point: it is killing us all
     finally:
         own.unlink()
+
+
+def stall() -> None:
+    """SIGSTOP the driver's process group, then this process's (the Python workers'); returns
+    once SIGCONTed. The first task to get here writes both group ids to ``<work dir>/stopping``
+    (created exclusively: a task that gets here later goes on, stopped with its group or
+    after the SIGCONT), stops the driver, then creates ``<work dir>/stopped``: once it
+    exists, the driver renews its lease no more."""
+    work = Path(os.environ[KILLED_ENV]).parent
+    try:
+        with open(work / STOPPING, "x") as claim:
+            claim.write(f"{os.environ[PGID_ENV]} {os.getpgid(0)}\n")
+    except FileExistsError:
+        return
+    os.killpg(int(os.environ[PGID_ENV]), signal.SIGSTOP)
+    open(work / STOPPED, "x").close()  # noqa: SIM115
+    os.killpg(os.getpgid(0), signal.SIGSTOP)
 
 
 class _KillingStream:
@@ -232,10 +258,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--straggle", action="store_true")
     parser.add_argument("--merging", action="store_true")
+    parser.add_argument("--stop")
+    parser.add_argument("--state", action="store_true")
     args = parser.parse_args(argv)
     work = Path(args.work_dir)
     os.environ[PGID_ENV] = str(os.getpgid(0))
     os.environ[KILLED_ENV] = str(work / "killed")
+    if args.stop:
+        args.kill = args.stop
+        os.environ[STOP_ENV] = "1"
     if args.kill and args.kill.startswith("write:"):
         os.environ[WRITE_ENV] = args.kill  # before the JVM starts: its workers inherit it
 
@@ -272,8 +303,20 @@ def main(argv: list[str] | None = None) -> None:
             spark, storage, faults_pipeline(work, args.batches, args.parallelism, args.merging),
             fault_hook=hook, task_after_write=after_write, lease_ttl=LEASE_TTL,
             keyed_local_dir=str(work / "local"))
-        results = runner.run(args.partitions.split(","))
-        result = {"taken": [c.checkpoint_id for r in results for c in r.checkpoints_taken]}
+        progress: list[str] = []
+        lease_at: list[float] = []
+
+        def on_progress(line: str) -> None:
+            if not lease_at:  # the first line comes once the lease is taken, state restored
+                lease_at.append(time.time())
+            progress.append(line)
+
+        results = runner.run(args.partitions.split(","), on_progress=on_progress)
+        result = {"taken": [c.checkpoint_id for r in results for c in r.checkpoints_taken],
+                  "lease_at": lease_at[0], "done_at": time.time(), "progress": progress}
+        if args.state:
+            rows = runner.restore_states(runner.store.latest().metadata)["totals"].collect()
+            result["state"] = sorted([r["customer"], r["orders"], r["total"]] for r in rows)
     finally:
         spark.stop()
     print("RESULT " + json.dumps(result), flush=True)

@@ -33,12 +33,13 @@ from pipelines.keyed import (
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
     extend_chains,
+    local_store_directory,
     materialise_keyed_state,
     ranges_to_materialise,
     replay_chains,
     sweep_idle_stores,
 )
-from pipelines.keyed._spark import _Locked
+from pipelines.keyed._spark import _Locked, sweep_other_ranges
 
 MAX_PARALLELISM = 8
 STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
@@ -476,3 +477,90 @@ def test_a_lock_taken_on_a_swept_lock_file_is_taken_again(tmp_path):
     release.set()
     thread.join(30)
     assert (True, False) == (got.is_set(), taken)
+
+
+@pytest.mark.timeout(180)
+def test_a_store_locked_elsewhere_is_waited_for_at_most_the_lock_timeout(spark, job):
+    """With range 0's store lock held by another process (as a stalled task holds it), a
+    batch waits at most the task's ``local_lock_timeout``, then runs range 0 on a private copy
+    rebuilt from the chain, leaving the locked store untouched; the next batch runs on that
+    copy at once; once the lock is free the (stale) store is rebuilt and the copy swept.
+    Outputs and state equal a recomputation."""
+    timeout = dt.timedelta(seconds=1)
+
+    def run(batch):
+        return job.run(spark, batch, replace(job.task(batch), local_lock_timeout=timeout))
+
+    outputs = [run(0)[0]]
+    store = local_store_directory(job.task(0), KeyGroupRange(0, 3))
+    manifest = (store / "MANIFEST.json").read_bytes()
+    stalled = _Locked(store).__enter__()
+    # On code that waits without bound, the batch would hang: release the lock after a
+    # minute so that the test fails by its assertions instead.
+    watchdog = threading.Timer(60, stalled.__exit__, (None, None, None))
+    watchdog.start()
+    try:
+        seen = []
+        for batch in (1, 2):
+            output, ranges = run(batch)
+            outputs.append(output)
+            (first,) = [r for r in ranges if r.operator_index == 0]
+            seen.append((first.private, first.rebuilt, first.lock_wait_seconds >= 1.0))
+        untouched = manifest == (store / "MANIFEST.json").read_bytes()
+    finally:
+        watchdog.cancel()
+        stalled.__exit__(None, None, None)
+    output, ranges = run(3)
+    outputs.append(output)
+    (after,) = [r for r in ranges if r.operator_index == 0]
+    copies = [p.name for p in store.parent.iterdir() if ".private-" in p.name]
+    counts, batch_outputs = expected(4)
+    assert ([(True, True, True), (True, False, False)], True, (False, True), []) == (
+        seen, untouched, (after.private, after.rebuilt), copies)
+    assert (counts, batch_outputs) == (job.state(), outputs)
+
+
+def private_copy(store: Path, tag: str, written: float) -> Path:
+    """A private copy of ``store`` (a store directory beside it), last written at ``written``."""
+    return make_store(store.with_name(f"{store.name}.private-{tag * 32}"), written)
+
+
+def test_private_copies_are_swept_once_no_task_needs_them_never_a_non_store(job):
+    """``sweep_other_ranges`` removes the private copies of local stores that no task holds
+    (one of another parallelism's range, the lock file a killed task left before making its
+    copy), keeps a current range's copy while that range's store is held (it is the range's
+    state for its next task) and removes it once the store is free; a copy in use and a
+    directory named like a copy that is not a store stay."""
+    now = time.time()
+    task = job.task(0)
+    store = make_store(local_store_directory(task, KeyGroupRange(0, 3)), now)
+    other_store = local_store_directory(task, KeyGroupRange(4, 7))
+    needed = private_copy(store, "a", now)
+    busy = private_copy(other_store, "b", now)
+    rescaled = private_copy(store.with_name("m8-kg0-1"), "c", now)
+    orphan_lock = other_store.with_name(f"{other_store.name}.private-{'d' * 32}.lock")
+    orphan_lock.touch()
+    stranger = other_store.with_name(f"{other_store.name}.private-{'e' * 32}")
+    stranger.mkdir()
+    (stranger / "notes.txt").write_text("not a store")
+    with _Locked(store), _Locked(busy):
+        first = sorted(sweep_other_ranges(task))
+    second = sweep_other_ranges(task)
+    assert ([rescaled, orphan_lock.with_suffix("")], [needed, busy], False, True) == (
+        first, sorted(second), orphan_lock.exists(), (stranger / "notes.txt").exists())
+
+
+def test_idle_sweep_removes_private_copies_no_task_needs(tmp_path):
+    """``sweep_idle_stores`` removes a private copy nobody holds whose store is free (a killed
+    task's) however fresh, and an idle one even while its store is held; a fresh copy of a
+    held store and a copy in use stay."""
+    now, day = 1_800_000_000.0, 86_400
+    root = tmp_path / "pipelines-keyed"
+    free = private_copy(root / "job-a" / "clicks" / "m8-kg0-7", "a", now)
+    held_store = make_store(root / "job-b" / "clicks" / "m8-kg0-7", now)
+    needed = private_copy(held_store, "b", now)
+    idle = private_copy(held_store, "c", now - 8 * day)
+    busy = private_copy(root / "job-c" / "clicks" / "m8-kg0-7", "d", now)
+    with _Locked(held_store), _Locked(busy):
+        removed = sweep_idle_stores(root, dt.timedelta(days=7), now=now)
+    assert ([free, idle], True, True) == (sorted(removed), needed.exists(), busy.exists())

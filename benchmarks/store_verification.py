@@ -50,7 +50,7 @@ from pipelines.keyed import (  # noqa: E402
     ArrowKeyedStateStore,
     KeyedStateLayout,
     KeyGroupRange,
-    _store,  # noqa: E402
+    forget_verified_files,
 )
 
 SCHEMA = pa.schema([("key", pa.string()), ("page", pa.string()), ("count", pa.int64()),
@@ -130,7 +130,7 @@ def measure(size: int, rounds: int, work: Path) -> tuple[dict[tuple[str, str], l
             for kind in ("cold", "warm"):
                 keys = make_rows(rng.choice(size, CHANGED, replace=False), rng).select(["key"])
                 if kind == "cold":
-                    _store._VERIFIED.clear()  # as the first open in a new Python worker
+                    forget_verified_files()  # as the first open in a new Python worker
                 batch = 2 * round_ + (kind == "warm") + 1
                 measured = one_batch(directories[variant], variant != "off",
                                      variant == "verified", keys, batch)

@@ -67,6 +67,7 @@ from pipelines.keyed._store import (
     ArrowKeyedStateStore,
     KeyedStateStore,
     LocalStoreError,
+    forget_verified_files,
     remove_store,
 )
 
@@ -107,6 +108,7 @@ __all__ = [
     "decode_keyed_master_state",
     "encode_keyed_master_state",
     "extend_chains",
+    "forget_verified_files",
     "hash_keys",
     "key_type_fits",
     "last_per_key",

@@ -49,8 +49,8 @@ import pyarrow.ipc as ipc
 from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 
-__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "group_hash_order",
-           "remove_store", "stored_version"]
+__all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "forget_verified_files",
+           "group_hash_order", "remove_store", "stored_version"]
 
 _HASH = "_hash"
 _DELETED = "_deleted"
@@ -703,6 +703,12 @@ class _VerifiedFiles:
 
 
 _VERIFIED = _VerifiedFiles()
+
+
+def forget_verified_files() -> None:
+    """Forget which store files this process verified or wrote, so that the next open of each
+    hashes it again, as the first open in a new Python worker does (benchmarks measure it)."""
+    _VERIFIED.clear()
 
 
 def _signature(path: Path, stat: os.stat_result, checksum: int) -> tuple:

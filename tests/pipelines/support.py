@@ -1,13 +1,17 @@
 """Helpers shared by the pipeline, sensor and acceptance tests."""
 
 import datetime as dt
+import sys
 from pathlib import Path
 
 import dagster as dg
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark import cloudpickle
 from typer.testing import CliRunner
 
 from checkpoint_storage.cli import build_app
-from pipelines import StatefulPipeline, empty_state
+from pipelines import KeyedResult, StatefulPipeline, empty_state
 from pipelines.cli import register
 from pipelines.examples.click_events import STAGES, click_events_pipeline
 from pipelines.examples.click_events.events import batch_urls
@@ -130,3 +134,24 @@ def materialize_range(
         run_config={"ops": ops},
         raise_on_error=False,
     )
+
+
+# A keyed stage shared by the keyed runner tests and the reliability scenarios: orders per
+# customer, their count and total.
+TOTALS = pa.schema([pa.field("customer", pa.string(), nullable=False),
+                    ("orders", pa.int64()), ("total", pa.int64())])
+
+
+def customer_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
+    batch = input.group_by("customer").aggregate([([], "count_all"), ("amount", "sum")])
+    joined = batch.join(state, "customer", join_type="left outer")
+    upserts = pa.table({
+        "customer": joined.column("customer"),
+        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
+        "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
+    })
+    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
+
+
+# by value: Spark's Python workers need not import the tests package
+cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -34,7 +34,7 @@ from pipelines import (
     read_state,
 )
 from pipelines.keyed import compute_key_group_range_for_operator_index
-from tests.pipelines.support import InjectedFault
+from tests.pipelines.support import TOTALS, InjectedFault, customer_totals
 
 PARTITIONS = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
 BATCHES = 4
@@ -42,8 +42,6 @@ ORDER_SCHEMA = T.StructType([
     T.StructField("customer", T.StringType()),
     T.StructField("amount", T.LongType()),
 ])
-TOTALS = pa.schema([pa.field("customer", pa.string(), nullable=False),
-                    ("orders", pa.int64()), ("total", pa.int64())])
 
 
 @dataclass(frozen=True)
@@ -65,15 +63,6 @@ class GeneratedOrders(Source):
                 for _ in range(self.rows_per_batch)]
 
 
-def customer_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
-    batch = input.group_by("customer").aggregate([([], "count_all"), ("amount", "sum")])
-    joined = batch.join(state, "customer", join_type="left outer")
-    upserts = pa.table({
-        "customer": joined.column("customer"),
-        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
-        "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
-    })
-    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

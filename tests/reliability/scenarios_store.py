@@ -24,14 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
-import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark import cloudpickle
 from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage
 from pipelines import (
-    KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
     Source,
@@ -40,14 +37,13 @@ from pipelines import (
     read_state,
 )
 from resources import build_spark_session
+from tests.pipelines.support import TOTALS, customer_totals
 from tests.reliability.scenarios_fs import Outcome
 
 __all__ = ["SCENARIOS", "local_store_damage"]
 
 ORDERS = T.StructType([T.StructField("customer", T.StringType()),
                        T.StructField("amount", T.LongType())])
-TOTALS = pa.schema([pa.field("customer", pa.string(), nullable=False),
-                    ("orders", pa.int64()), ("total", pa.int64())])
 DAMAGES = ("flip", "flip", "truncate", "delete", "stale")  # bit flips twice as often
 
 
@@ -70,15 +66,6 @@ class RoundOrders(Source):
                 for _ in range(self.rows_per_batch)]
 
 
-def totals(input: pa.Table, state: pa.Table) -> KeyedResult:
-    batch = input.group_by("customer").aggregate([([], "count_all"), ("amount", "sum")])
-    joined = batch.join(state, "customer", join_type="left outer")
-    upserts = pa.table({
-        "customer": joined.column("customer"),
-        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
-        "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
-    })
-    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -165,7 +152,8 @@ def local_store_damage(trials: int, seed: int = 24, spark=None, *,
         storage = FileSystemCheckpointStorage(str(work / "checkpoints"),
                                               file_state_size_threshold=0)
         pipeline = StatefulPipeline(
-            name="damaged_stores", stages=[KeyedStage("totals", "customer", TOTALS, totals)],
+            name="damaged_stores",
+            stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
             source=source, partitions=dg.StaticPartitionsDefinition(partitions),
             checkpoint_interval=1, max_parallelism=16, keyed_parallelism=2,
             # a snapshot every other round reads every value of the stores

@@ -6,7 +6,15 @@ project), as ``scripts/run`` and ``scripts/ui`` set it up:
   checkpoints (its stateful asset, its savepoint job) is in the pool ``checkpoints_<name>``
   (``sensors.pool_for``), so a second run of the same pipeline waits in the run queue
   instead of racing the first for the job directory. Runs of different pipelines still run
-  side by side.
+  side by side;
+- run monitoring (``RUN_MONITORING_YAML``), so that no run stays in progress, nor keeps its
+  pipeline's pool, after its worker is gone: a run stuck starting fails after
+  ``start_timeout_seconds`` (180 s), a dead or cancelled run's pool slots are freed
+  ``free_slots_after_run_end_seconds`` (15 s) after it ended, checked every
+  ``poll_interval_seconds`` (15 s), and a dead run is never resumed as it was
+  (``max_resume_run_attempts: 0``): the recovery sensor recovers it from its last checkpoint.
+  A run worker killed while its code server lives (SIGKILL, OOM) is failed by that code
+  server within a second.
 
 ``python -m pipelines.instance`` prepares the instance and prints its directory.
 """
@@ -17,7 +25,13 @@ from pathlib import Path
 
 import dagster as dg
 
-__all__ = ["DAGSTER_YAML", "CONCURRENCY_YAML", "ensure_dagster_home", "limit_pools"]
+__all__ = [
+    "CONCURRENCY_YAML",
+    "DAGSTER_YAML",
+    "RUN_MONITORING_YAML",
+    "ensure_dagster_home",
+    "limit_pools",
+]
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY_YAML = """concurrency:
@@ -27,20 +41,39 @@ CONCURRENCY_YAML = """concurrency:
     # Checked when a run leaves the queue, so a blocked run stays QUEUED (visible in the UI).
     granularity: run
 """
-DAGSTER_YAML = "telemetry:\n  enabled: false\n" + CONCURRENCY_YAML
+RUN_MONITORING_YAML = """run_monitoring:
+  enabled: true
+  # A run that does not reach STARTED within this time (its worker never came up) fails.
+  start_timeout_seconds: 180
+  cancel_timeout_seconds: 180
+  # Never resume a dead run as it was: the recovery sensor continues it from its checkpoint.
+  max_resume_run_attempts: 0
+  poll_interval_seconds: 15
+  # A run that ended (failed, killed, cancelled) gives its pool slots back after this time,
+  # so the runs queued behind it start.
+  free_slots_after_run_end_seconds: 15
+"""
+DAGSTER_YAML = "telemetry:\n  enabled: false\n" + CONCURRENCY_YAML + RUN_MONITORING_YAML
 
 
 def ensure_dagster_home() -> Path:
     """``DAGSTER_HOME`` (default: the project's ``.dagster_home``) with the configuration
-    above; an existing ``dagster.yaml`` without a ``concurrency`` section gets one."""
+    above; an existing ``dagster.yaml`` without a ``concurrency`` or ``run_monitoring``
+    section gets one."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(PROJECT_ROOT / ".dagster_home")))
     home.mkdir(parents=True, exist_ok=True)
     config = home / "dagster.yaml"
     if not config.exists():
         config.write_text(DAGSTER_YAML)
-    elif "concurrency:" not in config.read_text():
-        with config.open("a") as f:
-            f.write("\n" + CONCURRENCY_YAML)
+    else:
+        text = config.read_text()
+        for key, section in (
+            ("concurrency:", CONCURRENCY_YAML),
+            ("run_monitoring:", RUN_MONITORING_YAML),
+        ):
+            if key not in text:
+                with config.open("a") as f:
+                    f.write("\n" + section)
     return home
 
 

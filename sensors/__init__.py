@@ -16,8 +16,8 @@ Per pipeline ``<name>``:
 - ``<name>_retention_sensor``: RUNNING. Deletes only what the store's retention and the
   grace-period collector would, and scheduled savepoints beyond the newest K; never a
   snapshot in use, never a hand-made savepoint unless configured.
-- ``<name>_recovery_sensor``: RUNNING. One recovery run per failed run of ``<name>_job``, a
-  bounded number of attempts.
+- ``<name>_recovery_sensor``: RUNNING. One recovery run per failed run of ``<name>`` (whatever
+  started it) that no later run covered, a bounded number of attempts.
 
 Stop any of them in the UI (Automation) or with ``dagster schedule stop`` / ``dagster sensor
 stop``.
@@ -49,6 +49,7 @@ from sensors.recovery import (
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
     plan_recovery,
+    recovery_decisions,
 )
 from sensors.retention import (
     RetentionPolicy,
@@ -94,6 +95,7 @@ __all__ = [
     "integrity_check_result",
     "pipeline_definitions",
     "plan_recovery",
+    "recovery_decisions",
     "retained_metadata",
     "retained_snapshots",
     "retained_table",

@@ -6,7 +6,9 @@ annotations at definition time.
 """
 
 import os
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import dagster as dg
 from pydantic import Field
@@ -60,12 +62,29 @@ class InjectedFault(RuntimeError):
     """The failure the test seam injects (never raised unless enabled, see above)."""
 
 
+# With ``test/hang_after_batch=<k>`` the run instead stops right after its k-th batch and waits
+# forever (to be killed), having written its process id into ``<PIPELINE_FAULT_MARKER_DIR>/
+# <partition>.pid``: a test kills the run worker at a known point, never by timing luck.
+HANG_TAG = "test/hang_after_batch"
+FAULT_MARKER_DIR_ENV = "PIPELINE_FAULT_MARKER_DIR"
+
+
+def _hang(partition: str) -> None:
+    marker = Path(os.environ[FAULT_MARKER_DIR_ENV]) / f"{partition}.pid"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.with_suffix(".tmp").write_text(str(os.getpid()))
+    marker.with_suffix(".tmp").rename(marker)
+    threading.Event().wait()
+
+
 def _fault_hook(tags: dict[str, str]):
-    if os.environ.get(FAULT_INJECTION_ENV) != "1" or FAULT_TAG not in tags:
+    if os.environ.get(FAULT_INJECTION_ENV) != "1" or not {FAULT_TAG, HANG_TAG} & set(tags):
         return None
-    after = int(tags[FAULT_TAG])
+    after = int(tags.get(FAULT_TAG, tags.get(HANG_TAG, 0)))
 
     def hook(point: str, **info) -> None:
+        if point == "batch_applied" and info.get("batch", -1) + 1 == after and HANG_TAG in tags:
+            _hang(str(info.get("partition")))
         if point == "batch_applied" and info.get("batch", -1) + 1 == after:
             raise InjectedFault(
                 f"injected fault ({FAULT_TAG}={after}) after batch {after} of "

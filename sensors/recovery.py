@@ -1,16 +1,24 @@
-"""The recovery sensor: a failed run of a pipeline's job recovers by itself.
+"""The recovery sensor: a failed run of a pipeline recovers by itself, whatever started it.
 
-``<pipeline>_recovery_sensor`` is a ``run_failure_sensor`` on the pipeline's job
-(``<pipeline>_job``). For a failed run it requests one recovery run of that job over the
-failed run's partitions that did not complete: the partitions whose materialization of the
-pipeline's state asset the failed run recorded are done (each was recorded as soon as its
-checkpoint completed), so the recovery starts at the first one that is not. It restores from
-the latest completed checkpoint: the runner picks the newest retained checkpoint that fits
-the first partition, which is the checkpoint the failed run took last (at the end of the
-previous partition, or part-way into this one), and replays only the batches after it. When
-the failed run named a ``restore_from`` (a backfill from a savepoint) and completed no
-partition, the recovery keeps that ``restore_from``; once it completed one, its own
-checkpoints continue it.
+``<pipeline>_recovery_sensor`` is a plain sensor that follows the pipeline's *state*, not a
+stream of failure events: on each tick it looks at the newest ``RECENT_RUNS`` runs that
+advance the pipeline (runs of ``<pipeline>_job`` however they started: the UI, a schedule, a
+sensor, ``dagster job launch``, ``scripts/run``, ``execute_in_process``, a single-run
+backfill; and asset backfill runs, ``__ASSET_JOB``, whose selection holds the state asset),
+the partitions each covered and completed (its materializations of the state asset), and the
+runs in progress. A failed run is recovered when it is the *latest* run over its first
+partition that did not complete and no later run covers that partition or any after it (the
+pipeline did not move on without it). Nothing depends on having seen an event: a failure
+from while the daemon was down, or of a run Dagster never launched, is found on the next tick.
+
+The recovery run is of ``<pipeline>_job`` over the failed run's partitions that did not
+complete: the partitions whose materialization the failed run recorded are done (each was
+recorded as soon as its checkpoint completed), so the recovery starts at the first one that
+is not. It restores from the latest completed checkpoint: the runner picks the newest retained
+checkpoint that fits the first partition, which is the checkpoint the failed run took last,
+and replays only the batches after it. When the failed run named a ``restore_from`` (a
+backfill from a savepoint) and completed no partition, the recovery keeps that
+``restore_from``; once it completed one, its own checkpoints continue it.
 
 - **One request per failed run**: the run key is the failed run's id (the daemon never launches
   a run key twice), and a failed run that already has a recovery run (tag
@@ -19,6 +27,11 @@ checkpoints continue it.
   and ``recovery/attempt``; when a recovery run fails after ``RECOVERY_MAX_ATTEMPTS``
   (default 3) attempts the sensor stops and says so in a skip reason and its log, naming the
   root run: a failure that repeats is not transient, someone has to look at it.
+- **Never two writers**: the recovery run is in the pipeline's pool (``checkpoints_<name>``),
+  so it waits in the queue behind a run in progress, and the runner's lease guards the job
+  directory on top of that.
+- A run whose worker died (SIGKILL, OOM) is marked failed by Dagster (the code server that
+  launched it, or run monitoring, see ``pipelines/instance.py``) and recovered like any other.
 
 **Relation to Dagster's run retries** (``run_retries`` in ``dagster.yaml`` and the
 ``dagster/max_retries`` tag): a run retry re-executes the failed run as it was, over the same
@@ -29,13 +42,11 @@ off by default, and when they are on for a failed run (enabled on the instance a
 ``dagster/retry_number`` below its ``dagster/max_retries``) the sensor leaves the run to the
 retry daemon and skips, so a failure is never recovered twice at once. Once the retries are
 exhausted, the sensor takes over.
-
-Runs launched as asset backfills (``__ASSET_JOB``) are not monitored; backfill through the
-pipeline's job (or re-launch the failed partitions) to have them recovered.
 """
 
 import copy
 import os
+from collections.abc import Collection, Sequence
 
 import dagster as dg
 
@@ -52,13 +63,24 @@ __all__ = [
     "RECOVERY_ATTEMPT_TAG",
     "RECOVERY_OF_TAG",
     "RECOVERY_ROOT_TAG",
+    "RECENT_RUNS",
     "build_recovery_sensor",
     "plan_recovery",
+    "recovery_decisions",
 ]
 
 RECOVERY_ROOT_TAG = "recovery/root_run_id"
 RECOVERY_ATTEMPT_TAG = "recovery/attempt"
 RECOVERY_OF_TAG = "recovery/of_run_id"
+# How far back a tick looks: the newest runs of the instance (all jobs) it reads each tick.
+RECENT_RUNS = 500
+_IN_PROGRESS = {
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+}
 
 
 def _partitions_of(run: dg.DagsterRun, partitions: dg.PartitionsDefinition) -> list[str]:
@@ -93,8 +115,16 @@ def plan_recovery(
     failed: dg.DagsterRun,
     max_attempts: int,
     pipeline: StatefulPipeline,
+    *,
+    later_runs: Sequence[dg.DagsterRun] = (),
+    op_names: Collection[str] | None = None,
 ) -> dg.RunRequest | dg.SkipReason:
-    """The recovery run of ``pipeline``'s job for ``failed``, or why there is none."""
+    """The recovery run of ``pipeline``'s job for ``failed``, or why there is none.
+
+    ``later_runs``: the pipeline's runs created after ``failed``; when one of them covers the
+    first partition ``failed`` did not complete, or a partition after it, there is nothing to
+    recover (it was re-run, or the pipeline moved on). ``op_names``: the ops of the job the
+    recovery runs (the run config of an asset backfill run keeps only those)."""
     run_id = failed.run_id
     if _retries_pending(instance, failed):
         return dg.SkipReason(
@@ -106,14 +136,6 @@ def plan_recovery(
     partitions = _partitions_of(failed, pipeline.partitions)
     if not partitions:
         return dg.SkipReason(f"run {run_id} is not a partitioned run: nothing to recover")
-    root = failed.tags.get(RECOVERY_ROOT_TAG, run_id)
-    attempt = int(failed.tags.get(RECOVERY_ATTEMPT_TAG, 0)) + 1
-    if attempt > max_attempts:
-        return dg.SkipReason(
-            f"run {run_id} was recovery attempt {attempt - 1} of {max_attempts} for "
-            f"{partitions[0]}..{partitions[-1]} (first failure: run {root}) and failed too: not "
-            "retrying any more, look at the runs' errors and re-launch by hand"
-        )
     done = _completed_partitions(instance, run_id, pipeline.name)
     remaining = partitions[
         next((i for i, p in enumerate(partitions) if p not in done), len(partitions)) :
@@ -123,7 +145,25 @@ def plan_recovery(
             f"run {run_id} completed every partition ({partitions[0]}..{partitions[-1]}) "
             "before it failed: nothing to recover"
         )
+    moved_on = _first_covering(later_runs, remaining[0], pipeline.partitions)
+    if moved_on is not None:
+        later, partition = moved_on
+        return dg.SkipReason(
+            f"run {run_id} failed at {remaining[0]}, but the later run {later.run_id} "
+            f"({later.status.value}) covers {partition}: nothing to recover"
+        )
+    root = failed.tags.get(RECOVERY_ROOT_TAG, run_id)
+    attempt = int(failed.tags.get(RECOVERY_ATTEMPT_TAG, 0)) + 1
+    if attempt > max_attempts:
+        return dg.SkipReason(
+            f"run {run_id} was recovery attempt {attempt - 1} of {max_attempts} for "
+            f"{partitions[0]}..{partitions[-1]} (first failure: run {root}) and failed too: not "
+            "retrying any more, look at the runs' errors and re-launch by hand"
+        )
     run_config = copy.deepcopy(dict(failed.run_config or {}))
+    if op_names is not None and isinstance(run_config.get("ops"), dict):
+        # An asset backfill's run may configure assets outside the pipeline's job.
+        run_config["ops"] = {k: v for k, v in run_config["ops"].items() if k in op_names}
     if len(remaining) < len(partitions):
         # The failed run's own checkpoints continue it, not its restore_from.
         op_config = run_config.get("ops", {}).get(pipeline.name, {}).get("config")
@@ -146,6 +186,67 @@ def plan_recovery(
     return dg.RunRequest(run_key=run_id, run_config=run_config, tags=tags)
 
 
+def _first_covering(
+    runs: Sequence[dg.DagsterRun], partition: str, partitions: dg.PartitionsDefinition
+) -> tuple[dg.DagsterRun, str] | None:
+    """The first of ``runs`` covering ``partition`` or a partition after it, with that
+    partition."""
+    for run in runs:
+        for key in _partitions_of(run, partitions):
+            if key == partition or _after(key, partition, partitions):
+                return run, key
+    return None
+
+
+def _after(key: str, other: str, partitions: dg.PartitionsDefinition) -> bool:
+    if isinstance(partitions, dg.TimeWindowPartitionsDefinition):
+        first, second = (partitions.time_window_for_partition_key(k) for k in (key, other))
+        return first.start > second.start
+    keys = list(partitions.get_partition_keys())
+    return key in keys and other in keys and keys.index(key) > keys.index(other)
+
+
+def _advances(run: dg.DagsterRun, pipeline: StatefulPipeline, job_name: str) -> bool:
+    """Whether ``run`` advances ``pipeline``: a run of its job, or of an asset job (an asset
+    backfill, ``materialize``) whose selection holds its state asset."""
+    if run.job_name == job_name:
+        return True
+    return bool(run.asset_selection) and dg.AssetKey(pipeline.name) in run.asset_selection
+
+
+def recovery_decisions(
+    instance: dg.DagsterInstance,
+    pipeline: StatefulPipeline,
+    job_name: str,
+    max_attempts: int,
+    *,
+    op_names: Collection[str] | None = None,
+    limit: int = RECENT_RUNS,
+) -> tuple[list[dg.RunRequest], list[str]]:
+    """The recovery runs ``pipeline`` needs now and the reasons it needs no other: one
+    decision per failed run among the newest ``limit`` runs of the instance that advance it
+    (``plan_recovery``, with the runs created after it)."""
+    runs = [r for r in instance.get_runs(limit=limit) if _advances(r, pipeline, job_name)]
+    requests, reasons = [], []
+    for index, run in enumerate(runs):  # newest first
+        if run.status != dg.DagsterRunStatus.FAILURE:
+            continue
+        decision = plan_recovery(
+            instance, run, max_attempts, pipeline, later_runs=runs[:index], op_names=op_names
+        )
+        if isinstance(decision, dg.RunRequest):
+            requests.append(decision)
+        else:
+            reasons.append(decision.skip_message or "")
+    if not requests and not reasons:
+        busy = [r.run_id for r in runs if r.status in _IN_PROGRESS]
+        reasons.append(
+            f"no failed run of {pipeline.name} among the newest {limit} runs"
+            + (f" (in progress: {', '.join(busy[:3])})" if busy else "")
+        )
+    return requests, reasons
+
+
 def build_recovery_sensor(
     pipeline: StatefulPipeline,
     job,
@@ -158,24 +259,34 @@ def build_recovery_sensor(
     if bound < 1:
         raise ValueError(f"max_attempts must be >= 1, got {bound}")
 
-    @dg.run_failure_sensor(
+    interval = int(os.environ.get("RECOVERY_INTERVAL_SECONDS", "30"))
+
+    @dg.sensor(
         name=f"{pipeline.name}_recovery_sensor",
-        monitored_jobs=[job],
-        request_job=job,
+        job=job,
+        minimum_interval_seconds=interval,
         default_status=default_status,
-        description=f"Launch a recovery run of {job.name} for a failed run's partitions that "
-        "did not complete, restoring from the latest completed checkpoint; one per failed "
-        f"run, at most {bound} attempts per first failure.",
+        description=f"Launch a recovery run of {job.name} for each failed run of {pipeline.name} "
+        "(whatever started it) that no later run covered, over its partitions that did not "
+        "complete, restoring from the latest completed checkpoint; one per failed run, at "
+        f"most {bound} attempts per first failure.",
     )
-    def recovery_sensor(context: dg.RunFailureSensorContext):
-        decision = plan_recovery(context.instance, context.dagster_run, bound, pipeline)
-        if isinstance(decision, dg.SkipReason):
-            context.log.info(decision.skip_message or "")
-        else:
+    def recovery_sensor(context: dg.SensorEvaluationContext):
+        op_names = None
+        if context.repository_def is not None:
+            op_names = set(context.repository_def.get_job(job.name).graph.node_names())
+        requests, reasons = recovery_decisions(
+            context.instance, pipeline, job.name, bound, op_names=op_names
+        )
+        for reason in reasons:
+            context.log.info(reason)
+        for request in requests:
             context.log.info(
-                f"recovering run {context.dagster_run.run_id}: attempt "
-                f"{decision.tags[RECOVERY_ATTEMPT_TAG]} of {bound}"
+                f"recovering run {request.tags[RECOVERY_OF_TAG]}: attempt "
+                f"{request.tags[RECOVERY_ATTEMPT_TAG]} of {bound}"
             )
-        return decision
+        if requests:
+            return requests
+        return dg.SkipReason("; ".join(reasons[:5]))
 
     return recovery_sensor

@@ -262,11 +262,15 @@ def metadata_from_run(event: dict, run_id: str) -> bool:
     return event.get("runId") == run_id
 
 
-def start_dagster_dev(home: Path, env: dict[str, str], log_path: Path) -> DagsterDev:
+def start_dagster_dev(
+    home: Path, env: dict[str, str], log_path: Path, dagster_yaml: str | None = DAGSTER_YAML
+) -> DagsterDev:
     """``dagster dev -w workspace.yaml`` on 127.0.0.1 in its own session, with ``home`` as
-    DAGSTER_HOME (telemetry off); returns once the code location is loaded."""
+    DAGSTER_HOME (``dagster_yaml``, default: telemetry off; None: keep the one in ``home``);
+    returns once the code location is loaded."""
     home.mkdir(parents=True, exist_ok=True)
-    (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    if dagster_yaml is not None:
+        (home / "dagster.yaml").write_text(dagster_yaml)
     port = free_port()
     full_env = os.environ | env | {"DAGSTER_HOME": str(home), "PYTHONUNBUFFERED": "1"}
     dagster = Path(sys.executable).with_name("dagster")

@@ -5,8 +5,8 @@ page_views pipeline end to end, in process:
 1. ``page_views_job`` materializes the first hour.
 2. A run of the second hour fails after its third batch (the test seam, ``PIPELINE_FAULT_INJECTION``
    and the tag ``test/fail_after_batch``), after the checkpoint taken after batch 2.
-3. The real ``page_views_recovery_sensor`` of the definitions, evaluated on the failed run
-   and its failure event, requests the recovery run; it restores that checkpoint and applies
+3. A tick of the real ``page_views_recovery_sensor`` of the definitions finds the failed run
+   and requests the recovery run; it restores that checkpoint and applies
    only batches 3 and 4.
 4. ``page_views_savepoint_job`` takes a savepoint (an observation with its pointer).
 5. A backfill of the next two hours in one run, ``restore_from`` the savepoint.
@@ -22,7 +22,7 @@ from pandas.testing import assert_frame_equal
 
 from pipelines import StatefulRunner, check_restore_from, job_id_for
 from pipelines.examples.page_views import NAME, land_hour, page_views_pipeline
-from pipelines.instance import CONCURRENCY_YAML
+from pipelines.instance import CONCURRENCY_YAML, RUN_MONITORING_YAML
 from resources import CheckpointStorageResource, SparkResource, build_spark_session
 from sensors import FAULT_INJECTION_ENV, FAULT_TAG, RECOVERY_OF_TAG, pipeline_definitions
 from tests.acceptance.postgres import PostgresServer, dagster_yaml, running_postgres
@@ -57,7 +57,9 @@ def spark():
 def postgres_instance(postgres_server: PostgresServer, tmp_path, monkeypatch):
     home = tmp_path / "dagster_home"
     home.mkdir()
-    (home / "dagster.yaml").write_text(dagster_yaml(postgres_server, CONCURRENCY_YAML))
+    (home / "dagster.yaml").write_text(
+        dagster_yaml(postgres_server, CONCURRENCY_YAML + RUN_MONITORING_YAML)
+    )
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     with dg.DagsterInstance.get() as instance:
         instance.wipe()
@@ -138,15 +140,10 @@ def test_postgres_instance_runs_fault_recovery_and_savepoint_backfill(
     position = check_restore_from(storage.checkpoint_storage(), inside, HOURS[1], pipeline)
     assert (HOURS[1], 2, False) == (position.partition, position.batches, position.complete)
 
-    # 3. The recovery sensor of the definitions, on the failed run and its failure event.
+    # 3. A tick of the recovery sensor of the definitions finds the failed run in PostgreSQL.
     sensor = next(s for s in defs.sensors if s.name == f"{NAME}_recovery_sensor")
-    context = dg.build_run_status_sensor_context(
-        sensor_name=sensor.name,
-        dagster_instance=instance,
-        dagster_run=failed.dagster_run,
-        dagster_event=failed.get_run_failure_event(),
-    )
-    request = sensor(context)
+    context = dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def())
+    (request,) = sensor(context)
     assert isinstance(request, dg.RunRequest), request
     assert HOURS[1] == request.partition_key
     assert failed.run_id == request.tags[RECOVERY_OF_TAG]

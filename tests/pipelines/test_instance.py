@@ -4,7 +4,13 @@ import dagster as dg
 import pytest
 
 from pipelines.definitions import defs
-from pipelines.instance import CONCURRENCY_YAML, DAGSTER_YAML, ensure_dagster_home, limit_pools
+from pipelines.instance import (
+    CONCURRENCY_YAML,
+    DAGSTER_YAML,
+    RUN_MONITORING_YAML,
+    ensure_dagster_home,
+    limit_pools,
+)
 
 PIPELINES = ("user_activity", "page_views")
 
@@ -46,8 +52,11 @@ def test_instance_limits_each_pool_to_one_run(tmp_path, monkeypatch):
     assert {pool: 1 for pool in pools} == limits
 
 
-def test_an_existing_instance_gets_the_concurrency_section(tmp_path, monkeypatch):
-    """A dagster.yaml from before gains the concurrency section, keeping what it had."""
+def test_an_existing_instance_gets_the_concurrency_and_run_monitoring_sections(
+    tmp_path, monkeypatch
+):
+    """A dagster.yaml from before gains the concurrency and run monitoring sections, keeping
+    what it had."""
     home = tmp_path / "home"
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -56,5 +65,20 @@ def test_an_existing_instance_gets_the_concurrency_section(tmp_path, monkeypatch
     ensure_dagster_home()
     ensure_dagster_home()
 
-    expected = "telemetry:\n  enabled: false\n\n" + CONCURRENCY_YAML
+    expected = "telemetry:\n  enabled: false\n\n" + CONCURRENCY_YAML + "\n" + RUN_MONITORING_YAML
     assert expected == (home / "dagster.yaml").read_text()
+
+
+def test_instance_monitors_runs(tmp_path, monkeypatch):
+    """Run monitoring is on: a run stuck starting fails, a dead run is never resumed as it
+    was (the recovery sensor continues it), and an ended run frees its pool slots."""
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    ensure_dagster_home()
+
+    with dg.DagsterInstance.get() as instance:
+        settings = instance.run_monitoring_settings
+        assert instance.run_monitoring_enabled
+        assert 0 == instance.run_monitoring_max_resume_run_attempts
+    assert 180 == settings["start_timeout_seconds"]
+    assert 15 == settings["free_slots_after_run_end_seconds"]
+    assert 15 == settings["poll_interval_seconds"]

@@ -1,6 +1,7 @@
-"""The recovery sensor with Dagster's run-failure test context on a real instance: one
-recovery request per failed run, over the partitions that did not complete, restoring from
-the latest checkpoint, and no more than the attempt bound."""
+"""The recovery sensor, evaluated on a real instance holding runs in every shape a start kind
+leaves (no daemon): one recovery request per failed run that no later run covered, whatever
+started it, over the partitions that did not complete, restoring from the latest checkpoint,
+and no more than the attempt bound. No cursor: a failure is found whenever the sensor looks."""
 
 import uuid
 
@@ -10,6 +11,7 @@ import pytest
 # No public constructor for a run's materialization event without a step context.
 from dagster._core.events import StepMaterializationData
 
+from resources import CheckpointStorageResource, SparkResource
 from sensors import (
     RECOVERY_ATTEMPT_TAG,
     RECOVERY_OF_TAG,
@@ -37,14 +39,19 @@ CONFIG = {
 }
 
 
-def failed_run(instance, tags, completed=(), run_config=CONFIG) -> dg.DagsterRun:
-    """A user_activity_job run that materialized ``completed`` partitions, then failed."""
-    run = instance.add_run(
+def add_run(instance, tags, status, job_name=JOB, run_config=CONFIG, **fields) -> dg.DagsterRun:
+    return instance.add_run(
         dg.DagsterRun(
-            job_name=JOB, run_id=str(uuid.uuid4()), tags=tags, run_config=run_config,
-            status=dg.DagsterRunStatus.STARTED,
+            job_name=job_name, run_id=str(uuid.uuid4()), tags=tags, run_config=run_config,
+            status=status, **fields,
         )
     )  # fmt: skip
+
+
+def failed_run(instance, tags, completed=(), run_config=CONFIG, **fields) -> dg.DagsterRun:
+    """A run (by default of user_activity_job, made like ``execute_in_process`` makes one:
+    no code location origin) that materialized ``completed`` partitions, then failed."""
+    run = add_run(instance, tags, dg.DagsterRunStatus.STARTED, run_config=run_config, **fields)
     for partition in completed:
         instance.report_dagster_event(
             dg.DagsterEvent(
@@ -60,20 +67,32 @@ def failed_run(instance, tags, completed=(), run_config=CONFIG) -> dg.DagsterRun
     return instance.get_run_by_id(run.run_id)
 
 
+# Resources are never started here: the sensor only reads the job's ops.
+DEFS = dg.Definitions.merge(
+    pipeline_definitions(PIPELINE),
+    dg.Definitions(
+        resources={
+            "spark": SparkResource(master="local[1]"),
+            "checkpoint_storage": CheckpointStorageResource(
+                checkpoint_dir="/nonexistent/checkpoints", savepoint_dir="/nonexistent/savepoints"
+            ),
+        }
+    ),
+)
+
+
 def recovery_sensor(max_attempts: int) -> dg.SensorDefinition:
-    (job,) = [j for j in pipeline_definitions(PIPELINE).jobs if JOB == j.name]
+    (job,) = [j for j in DEFS.jobs if JOB == j.name]
     return build_recovery_sensor(PIPELINE, job, max_attempts)
 
 
-def evaluate(sensor, instance, run):
-    (entry,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
-    context = dg.build_run_status_sensor_context(
-        sensor_name=sensor.name,
-        dagster_event=entry.dagster_event,
-        dagster_instance=instance,
-        dagster_run=run,
-    ).for_run_failure()
-    return sensor(context)
+def evaluate(sensor, instance):
+    """One tick of ``sensor`` (no cursor): the one request, a list of several, or the skip."""
+    context = dg.build_sensor_context(instance=instance, repository_def=DEFS.get_repository_def())
+    result = sensor(context)
+    if isinstance(result, list) and len(result) == 1:
+        return result[0]
+    return result
 
 
 def test_failed_range_run_is_recovered_from_its_first_unfinished_partition():
@@ -82,7 +101,7 @@ def test_failed_range_run_is_recovered_from_its_first_unfinished_partition():
     and without its restore_from (its own checkpoints continue it)."""
     with dg.instance_for_test() as instance:
         run = failed_run(instance, RANGE, completed=["2026-10-01"])
-        request = evaluate(recovery_sensor(3), instance, run)
+        request = evaluate(recovery_sensor(3), instance)
     assert isinstance(request, dg.RunRequest)
     assert run.run_id == request.run_key
     assert {
@@ -101,8 +120,8 @@ def test_failed_run_that_completed_nothing_keeps_its_restore_from():
     """A single-partition run that failed before completing its partition is recovered
     over that partition with the same run config (its restore_from still applies)."""
     with dg.instance_for_test() as instance:
-        run = failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
-        request = evaluate(recovery_sensor(3), instance, run)
+        failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
+        request = evaluate(recovery_sensor(3), instance)
     assert ("2026-10-02", CONFIG) == (request.partition_key, request.run_config)
 
 
@@ -112,14 +131,12 @@ def test_a_failed_run_is_recovered_once():
     sensor = recovery_sensor(3)
     with dg.instance_for_test() as instance:
         run = failed_run(instance, RANGE)
-        first, second = evaluate(sensor, instance, run), evaluate(sensor, instance, run)
+        first, second = evaluate(sensor, instance), evaluate(sensor, instance)
         assert first.run_key == second.run_key == run.run_id
-        instance.add_run(
-            dg.DagsterRun(job_name=JOB, run_id=str(uuid.uuid4()), tags=dict(first.tags))
-        )
-        third = evaluate(sensor, instance, run)
+        add_run(instance, dict(first.tags), dg.DagsterRunStatus.NOT_STARTED)
+        third = evaluate(sensor, instance)
     assert isinstance(third, dg.SkipReason)
-    assert f"run {run.run_id} already has a recovery run" == third.skip_message
+    assert f"run {run.run_id} already has a recovery run" in third.skip_message
 
 
 @pytest.mark.parametrize(("attempt", "recovers"), [(1, True), (2, True), (3, False)])
@@ -128,11 +145,11 @@ def test_recovery_stops_after_the_attempt_bound(attempt, recovers):
     while n < 3, and at n = 3 the sensor stops, naming the root run."""
     root = str(uuid.uuid4())
     with dg.instance_for_test() as instance:
-        run = failed_run(
+        failed_run(
             instance,
             RANGE | {RECOVERY_ROOT_TAG: root, RECOVERY_ATTEMPT_TAG: str(attempt)},
         )
-        decision = evaluate(recovery_sensor(3), instance, run)
+        decision = evaluate(recovery_sensor(3), instance)
     assert recovers == isinstance(decision, dg.RunRequest)
     if recovers:
         assert (root, str(attempt + 1)) == (
@@ -149,8 +166,110 @@ def test_run_retries_take_precedence_while_they_last():
     the last retry's failure is recovered by the sensor."""
     overrides = {"run_retries": {"enabled": True, "max_retries": 1}}
     with dg.instance_for_test(overrides=overrides) as instance:
-        first = failed_run(instance, RANGE)
+        failed_run(instance, RANGE)
+        decisions = [evaluate(recovery_sensor(3), instance)]
         retried = failed_run(instance, RANGE | {"dagster/retry_number": "1"})
-        decisions = [evaluate(recovery_sensor(3), instance, r) for r in (first, retried)]
+        decisions.append(evaluate(recovery_sensor(3), instance))
     assert [dg.SkipReason, dg.RunRequest] == [type(d) for d in decisions]
     assert "Dagster's run retries will retry it" in decisions[0].skip_message
+    assert retried.run_id == decisions[1].run_key
+
+
+# --- each start kind ----------------------------------------------------------------------
+
+START_KINDS = {
+    # execute_in_process and scripts/run: no code location origin, no launcher tags.
+    "execute_in_process": {},
+    "ui_or_dagster_job_launch": {"dagster/from_ui": "true"},
+    "schedule": {"dagster/schedule_name": "nightly"},
+    "sensor": {"dagster/sensor_name": "landing_sensor"},
+    "single_run_backfill": RANGE | {"dagster/backfill": "abcdefgh"},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(START_KINDS))
+def test_a_failure_is_recovered_whatever_started_the_run(kind):
+    """A failed run of the job is recovered however it was started: only its partitions,
+    its materializations and the runs after it matter."""
+    tags = START_KINDS[kind]
+    tags = (
+        tags
+        if ASSET_PARTITION_RANGE_START_TAG in tags
+        else tags | {PARTITION_NAME_TAG: "2026-10-02"}
+    )
+    with dg.instance_for_test() as instance:
+        run = failed_run(instance, tags)
+        request = evaluate(recovery_sensor(3), instance)
+    assert isinstance(request, dg.RunRequest), request
+    assert (run.run_id, run.run_id) == (request.run_key, request.tags[RECOVERY_OF_TAG])
+
+
+def test_a_failed_asset_backfill_run_is_recovered_through_the_job():
+    """An asset backfill's run (``__ASSET_JOB``) whose selection holds the state asset is
+    recovered as a run of the pipeline's job; config of assets outside that job is dropped."""
+    config = {"ops": CONFIG["ops"] | {"other_asset": {"config": {"x": 1}}}}
+    selection = {
+        dg.AssetKey("click_events"),
+        dg.AssetKey("user_activity"),
+        dg.AssetKey("other_asset"),
+    }
+    with dg.instance_for_test() as instance:
+        run = failed_run(
+            instance, RANGE | {"dagster/backfill": "abcdefgh"}, completed=["2026-10-01"],
+            run_config=config, job_name="__ASSET_JOB", asset_selection=selection,
+        )  # fmt: skip
+        request = evaluate(recovery_sensor(3), instance)
+    assert isinstance(request, dg.RunRequest), request
+    assert (run.run_id, "2026-10-02") == (
+        request.run_key,
+        request.tags[ASSET_PARTITION_RANGE_START_TAG],
+    )
+    assert {"click_events", "user_activity"} == set(request.run_config["ops"])
+
+
+def test_runs_of_other_pipelines_are_not_recovered():
+    """A failed asset job run without the state asset, and a failed run of another job, are
+    not this pipeline's: the sensor skips and says it found no failed run of it."""
+    with dg.instance_for_test() as instance:
+        failed_run(
+            instance, {PARTITION_NAME_TAG: "2026-10-02"}, job_name="__ASSET_JOB",
+            asset_selection={dg.AssetKey("page_views")},
+        )  # fmt: skip
+        failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"}, job_name="page_views_job")
+        decision = evaluate(recovery_sensor(3), instance)
+    assert isinstance(decision, dg.SkipReason)
+    assert "no failed run of user_activity" in decision.skip_message
+
+
+@pytest.mark.parametrize(
+    ("status", "partition"),
+    [
+        (dg.DagsterRunStatus.SUCCESS, "2026-10-02"),  # re-run by hand
+        (dg.DagsterRunStatus.NOT_STARTED, "2026-10-02"),  # re-run not started yet
+        (dg.DagsterRunStatus.STARTED, "2026-10-03"),  # the pipeline moved on
+    ],
+)
+def test_a_failure_that_a_later_run_covers_is_not_recovered(status, partition):
+    """The decision follows the state: when a later run covers the failed partition (or one
+    after it), the failure is not the partition's latest word, and the skip says which run."""
+    with dg.instance_for_test() as instance:
+        run = failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
+        later = add_run(instance, {PARTITION_NAME_TAG: partition}, status)
+        decision = evaluate(recovery_sensor(3), instance)
+    assert isinstance(decision, dg.SkipReason), decision
+    assert (
+        f"run {run.run_id} failed at 2026-10-02, but the later run {later.run_id} "
+        f"({status.value}) covers {partition}: nothing to recover"
+    ) in decision.skip_message
+
+
+def test_failures_from_before_the_sensor_looked_are_all_recovered():
+    """No cursor: failures that happened while nothing watched (the daemon down) are found
+    on the first tick, each once; of two failures of the same partition only the latest is
+    recovered (the earlier one is covered by it)."""
+    with dg.instance_for_test() as instance:
+        earlier = failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
+        latest = failed_run(instance, {PARTITION_NAME_TAG: "2026-10-02"})
+        requests = evaluate(recovery_sensor(3), instance)
+    assert isinstance(requests, dg.RunRequest), requests
+    assert latest.run_id == requests.run_key != earlier.run_id

@@ -16,8 +16,10 @@ import pyarrow.compute as pc
 import pytest
 from pyspark import cloudpickle
 from pyspark.sql import types as T
+from typer.testing import CliRunner
 
 from checkpoint_storage import FileSystemCheckpointStorage, collect_garbage
+from checkpoint_storage.cli import build_app
 from pipelines import (
     KeyedResult,
     KeyedStage,
@@ -27,6 +29,7 @@ from pipelines import (
     StatefulPipeline,
     StatefulRunner,
 )
+from sensors import retained_snapshots, retained_table
 from tests.pipelines.support import run_read_cli
 
 START = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -136,6 +139,12 @@ def referenced(runner: StatefulRunner) -> set[str]:
     return files
 
 
+def run_list_cli(directory: str) -> str:
+    ran = CliRunner().invoke(build_app(plugins=False), ["list", directory], env={"COLUMNS": "300"})
+    assert ran.exit_code == 0, ran.output
+    return ran.output
+
+
 def collect(runner: StatefulRunner) -> None:
     runner.store.shared_state_registry.wait_for_pending_deletions()
     result = collect_garbage(runner.access, grace_period=0)
@@ -159,12 +168,12 @@ def test_a_rewind_keeps_the_head_and_says_so(spark, tmp_path):
     lines: list[str] = []
     backfill = runner_of(spark, tmp_path, spec)
     rewind = backfill.run(hours(3, 5), restore_from=savepoint, on_progress=lines.append)
+    retained = [c.external_pointer for c in backfill.store.all()]
+    assert head in retained and retained[-1] == rewind[-1].checkpoint.pointer
     note = (f"rewound from end of {hour(8)} to end of {hour(2)}; the head is kept at {head} "
             f"(a run of {hour(9)} continues from it)")
     assert note in lines
     assert rewind[0].rewound == note and rewind[1].rewound is None
-    retained = [c.external_pointer for c in backfill.store.all()]
-    assert head in retained and retained[-1] == rewind[-1].checkpoint.pointer
     collect(backfill)
     assert on_disk(Path(backfill.access.checkpoints_directory)) == referenced(backfill)
     assert state_at(backfill, head) == expected(hours(1, 8))
@@ -199,6 +208,14 @@ def test_retention_keeps_the_last_partition_ends_and_gc_exactly_their_files(spar
     assert on_disk(job_dir) == referenced(runner)
     for n in range(5, 9):
         assert read_as_of(job_dir, hour(n)) == expected(hours(1, n), batches=2)
+    # The retained table (Dagster) and `checkpoints list` mark the boundaries.
+    snapshots = retained_snapshots(runner.storage, spec.name)
+    assert [(s.checkpoint_id, s.partition_end) for s in snapshots] == [
+        (10, True), (12, True), (14, True), (15, False), (16, True)]
+    marks = [r.data["partition_end"] for r in retained_table(snapshots).records]
+    assert marks == ["partition end"] * 3 + ["", "partition end"]
+    listed = run_list_cli(str(job_dir))
+    assert listed.count("partition end (2 batches)") == 4, listed
 
 
 @pytest.mark.timeout(300)

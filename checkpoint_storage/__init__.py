@@ -89,6 +89,7 @@ from checkpoint_storage._storage import (
     MemoryCheckpointStorage,
 )
 from checkpoint_storage._store import (
+    AlsoRetained,
     CompletedCheckpoint,
     CompletedCheckpointStore,
     FileSystemCompletedCheckpointStore,
@@ -130,6 +131,7 @@ from checkpoint_storage.exceptions import (
 )
 
 __all__ = [
+    "AlsoRetained",
     "APPENDED_FILE_PREFIX",
     "DEFAULT_FILE_STATE_THRESHOLD",
     "DEFAULT_LEASE_TTL",

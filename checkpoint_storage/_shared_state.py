@@ -149,6 +149,23 @@ class SharedStateRegistry:
                 self._pending.append(self._executor.submit(self._discard, doomed))
         return doomed
 
+    def unregister_unreferenced(self, referenced: Iterable[str]) -> list:
+        """Forget every entry whose key is not in ``referenced`` (the keys the retained
+        checkpoints hold) and schedule the deletion of the owned ones; returns the handles
+        scheduled for deletion. Exact where retention is not a contiguous run of ids (a
+        kept head or partition end among subsumed checkpoints), which the last-use rule of
+        ``unregister_unused_state`` would over-keep."""
+        referenced = set(referenced)
+        with self._lock:
+            unused = [key for key in self._entries if key not in referenced]
+            doomed = [self._entries[key].handle for key in unused if self._entries[key].owned]
+            for key in unused:
+                del self._entries[key]
+            if doomed and not self._closed:
+                self._pending = [f for f in self._pending if not f.done()]
+                self._pending.append(self._executor.submit(self._discard, doomed))
+        return doomed
+
     def _discard(self, handles: list) -> None:
         try:
             discard_handles(handles, self._max_workers, appended_files=True)

@@ -4,7 +4,7 @@ DefaultCompletedCheckpointStore and CheckpointSubsumeHelper)."""
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from checkpoint_storage._access import _DirectoryBasedAccess
@@ -29,9 +29,15 @@ __all__ = [
     "CompletedCheckpointStore",
     "FileSystemCompletedCheckpointStore",
     "StandaloneCompletedCheckpointStore",
+    "AlsoRetained",
     "abort_checkpoint",
     "discard_checkpoint",
 ]
+
+AlsoRetained = Callable[[Sequence["CompletedCheckpoint"]], Iterable[int]]
+"""A retention rule on top of ``max_retained``: given the retained regular checkpoints
+(oldest first), the ids of those to keep as well (e.g. a pipeline's furthest position and
+its partition ends)."""
 
 logger = logging.getLogger("checkpoint_storage")
 
@@ -146,12 +152,13 @@ class CompletedCheckpointStore(ABC):
     """The retained completed checkpoints of one job, oldest first.
 
     - ``add_checkpoint`` records a new checkpoint, then subsumes older ones: regular
-      checkpoints beyond ``max_retained`` (never the newest entry) leave the store and are
-      discarded when owned; savepoints do not count toward ``max_retained``, leave the store
-      once older than every retained checkpoint, and are never discarded.
+      checkpoints beyond ``max_retained`` (never the newest entry, nor those ``also_retain``
+      names) leave the store and are discarded when owned; savepoints do not count toward
+      ``max_retained``, leave the store once older than every retained checkpoint, and are
+      never discarded.
     - ``shutdown(job_status)`` applies the retention policy for how the job ended.
     - Shared state is registered per checkpoint in ``shared_state_registry`` and deleted once
-      no retained checkpoint uses it.
+      no retained checkpoint references it.
 
     Implementations override ``_recover()`` to rebuild the entries from durable storage.
     """
@@ -165,6 +172,7 @@ class CompletedCheckpointStore(ABC):
         shared_state_registry: SharedStateRegistry | None = None,
         *,
         discard_parallelism: int = DEFAULT_DELETE_PARALLELISM,
+        also_retain: AlsoRetained | None = None,
     ) -> None:
         if isinstance(max_retained, bool) or not isinstance(max_retained, int):
             raise TypeError(f"max_retained must be an int, got {max_retained!r}")
@@ -174,6 +182,7 @@ class CompletedCheckpointStore(ABC):
         self._policy = CheckpointRetentionPolicy(retention_policy)
         self._registry = shared_state_registry or SharedStateRegistry()
         self._discard_parallelism = discard_parallelism
+        self._also_retain = also_retain
         self._entries: list[CompletedCheckpoint] = []
         self._unclaimed_shared: set[str] = set()
         self._lock = threading.RLock()
@@ -282,12 +291,20 @@ class CompletedCheckpointStore(ABC):
                 handle, checkpoint.checkpoint_id, owned=checkpoint.owned
             )
 
+    def _subsumable(self) -> list[CompletedCheckpoint]:
+        """The regular checkpoints beyond ``max_retained`` that no rule keeps."""
+        latest = self._entries[-1]
+        regular = [e for e in self._entries if not e.is_savepoint()]
+        surplus = regular[: max(0, len(regular) - self._max_retained)]
+        if not surplus:
+            return []
+        kept = set(self._also_retain(regular)) if self._also_retain is not None else set()
+        return [e for e in surplus if e is not latest and e.checkpoint_id not in kept]
+
     def _subsume(self) -> list[CompletedCheckpoint]:
         latest = self._entries[-1]
         regular = [e for e in self._entries if not e.is_savepoint()]
-        subsumed = [
-            e for e in regular[: max(0, len(regular) - self._max_retained)] if e is not latest
-        ]
+        subsumed = self._subsumable()
         retained_regular = [e for e in regular if e not in subsumed]
         oldest_retained = min((e.checkpoint_id for e in retained_regular), default=None)
         subsumed += [
@@ -308,8 +325,11 @@ class CompletedCheckpointStore(ABC):
         return subsumed
 
     def _release_unused_shared_state(self) -> None:
-        lowest = min((e.checkpoint_id for e in self._entries), default=2**63)
-        self._registry.unregister_unused_state(lowest)
+        # By reference, not by lowest retained id: kept heads and partition ends leave gaps
+        # of subsumed ids between retained ones, whose own files must go.
+        self._registry.unregister_unreferenced(
+            SharedStateRegistry.key_of(h) for e in self._entries for h in e.shared_handles()
+        )
 
     def _discard_logged(self, checkpoint: CompletedCheckpoint) -> None:
         try:
@@ -381,8 +401,7 @@ class FileSystemCompletedCheckpointStore(CompletedCheckpointStore):
         """Whether the store holds more regular checkpoints than ``max_retained`` (recovered
         surplus), which the next ``add_checkpoint`` subsumes."""
         with self._lock:
-            regular = sum(1 for e in self._entries if not e.is_savepoint())
-            return regular > self._max_retained
+            return bool(self._entries) and bool(self._subsumable())
 
     def _recover(self) -> None:
         # The same rule as discovery: a chk-<id> counts when its `_metadata` validates and

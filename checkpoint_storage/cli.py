@@ -786,7 +786,7 @@ def _source_position(data: bytes | None) -> dict | None:
 
 def describe_position(position: dict | None) -> str:
     """A source position for people: ``2026-10-06, 3 batches`` part-way through a partition,
-    ``2026-10-06, complete (4 batches)`` at its end; ``-`` for none."""
+    ``2026-10-06, partition end (4 batches)`` at its end; ``-`` for none."""
     if position is None:
         return "-"
     try:
@@ -794,7 +794,7 @@ def describe_position(position: dict | None) -> str:
     except (TypeError, ValueError):
         batches = f"{position['batches']} batches"
     if position["complete"]:
-        return f"{position['partition']}, complete ({batches})"
+        return f"{position['partition']}, partition end ({batches})"
     return f"{position['partition']}, {batches}"
 
 

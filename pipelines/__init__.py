@@ -38,7 +38,10 @@ from pipelines.runner import (
     check_restore_from,
     damaged_state,
     empty_state,
+    head_of,
     job_id_for,
+    partition_ends,
+    position_retention,
 )
 from pipelines.state_reader import (
     STATE_FORMATS,
@@ -99,7 +102,10 @@ __all__ = [
     "check_restore_from",
     "damaged_state",
     "empty_state",
+    "head_of",
     "job_id_for",
+    "partition_ends",
+    "position_retention",
     "open_snapshot",
     "read_state",
     "read_state_part",

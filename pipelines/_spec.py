@@ -117,6 +117,17 @@ class PartitionOrder:
         window = self.partitions.time_window_for_partition_key(key)
         return self.partitions.get_partition_key_for_timestamp(window.end.timestamp())
 
+    def rank(self, key: str) -> float | None:
+        """A number that sorts ``key`` among the partitions (its index, or its window's start
+        as a timestamp); None for a key that is not one of them (any more)."""
+        try:
+            self.check(key)
+        except ValueError:
+            return None
+        if self._static is not None:
+            return float(self._static.index(key))
+        return self.partitions.time_window_for_partition_key(key).start.timestamp()
+
     def check_consecutive(self, keys: Sequence[str]) -> list[str]:
         keys = [self.check(k) for k in keys]
         for before, after in zip(keys, keys[1:], strict=False):
@@ -133,6 +144,11 @@ class StatefulPipeline:
     state is checkpointed every ``checkpoint_interval`` batches and at the end of each
     partition; ``max_retained_checkpoints`` completed checkpoints are kept; ``sinks`` write
     stage outputs (or state) per partition, idempotently.
+
+    Retention keeps, besides the newest ``max_retained_checkpoints``: the head (the checkpoint
+    of the furthest position, so that a rewind never loses it) and, with
+    ``retain_partition_ends`` = K, the checkpoint at the end of each of the last K
+    partitions up to the head (time travel: restore or backfill from any of them).
 
     ``stages`` are DataFrame stages (``Stage``) and keyed stages (``KeyedStage``) in any mix.
     ``max_parallelism``: the number of key groups of every keyed stage (Flink's max
@@ -157,6 +173,7 @@ class StatefulPipeline:
     sinks: Sequence[Sink] = ()
     checkpoint_interval: int = 2
     max_retained_checkpoints: int = 3
+    retain_partition_ends: int = 0
     description: str | None = None
     deps: "Sequence[dg.AssetsDefinition]" = ()
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
@@ -181,6 +198,11 @@ class StatefulPipeline:
                             (self.max_retained_checkpoints, "max_retained_checkpoints")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"pipeline {self.name}: {what} must be >= 1, got {value!r}")
+        ends = self.retain_partition_ends
+        if isinstance(ends, bool) or not isinstance(ends, int) or ends < 0:
+            raise ValueError(
+                f"pipeline {self.name}: retain_partition_ends must be an int >= 0 (0: keep no "
+                f"partition ends beyond the retained checkpoints), got {ends!r}")
         if (isinstance(self.max_parallelism, bool) or not isinstance(self.max_parallelism, int)
                 or not 1 <= self.max_parallelism <= UPPER_BOUND_MAX_PARALLELISM):
             raise ValueError(

@@ -5,8 +5,9 @@ A plugin of the ``checkpoints`` command (entry point group ``checkpoint_storage.
 built-in commands: the same ``--storage-option``/``-o`` and ``$CHECKPOINTS_STORAGE_OPTIONS``,
 one-line redacted errors and the same exit codes::
 
-    checkpoints read POINTER --stage NAME [--limit N] [--where COLUMN=VALUE ...]
-                     [--json | --csv | --parquet PATH] [-o KEY=VALUE ...]
+    checkpoints read POINTER_OR_JOB --stage NAME [--as-of PARTITION] [--limit N]
+                     [--where COLUMN=VALUE ...] [--json | --csv | --parquet PATH]
+                     [-o KEY=VALUE ...]
 """
 
 import datetime as dt
@@ -22,7 +23,12 @@ import pyarrow.parquet as pq
 import typer
 from rich.text import Text
 
-from checkpoint_storage import url_to_fs
+from checkpoint_storage import (
+    SOURCE_POSITION_STATE,
+    CheckpointNotFoundError,
+    list_checkpoints,
+    url_to_fs,
+)
 from checkpoint_storage.cli import (
     StorageOption,
     UsageError,
@@ -33,9 +39,11 @@ from checkpoint_storage.cli import (
     run_command,
     storage_options,
 )
+from pipelines.runner import SourcePosition
 from pipelines.state_reader import PipelineSnapshot, open_snapshot
 
-__all__ = ["DEFAULT_TABLE_ROWS", "read_command", "register", "rows_as_json"]
+__all__ = ["DEFAULT_TABLE_ROWS", "partition_end_pointer", "read_command", "register",
+           "rows_as_json"]
 
 DEFAULT_TABLE_ROWS = 20
 
@@ -50,10 +58,18 @@ def register(app: typer.Typer) -> None:
 
 
 def read_command(
-    pointer: Annotated[str, typer.Argument(metavar="POINTER", show_default=False)],
+    pointer: Annotated[str, typer.Argument(metavar="POINTER_OR_JOB", show_default=False)],
     stage: Annotated[
         str, typer.Option("--stage", metavar="NAME", help="the stage whose state to read")
     ],
+    as_of: Annotated[
+        str | None,
+        typer.Option(
+            "--as-of", metavar="PARTITION", show_default=False,
+            help="read the retained checkpoint at the end of PARTITION in the job directory "
+            "POINTER_OR_JOB (or the one of the checkpoint POINTER_OR_JOB)",
+        ),
+    ] = None,
     limit: Annotated[
         int | None,
         typer.Option(
@@ -81,8 +97,11 @@ def read_command(
 ) -> None:
     """Print or export the rows of a stage's state.
 
-    Reads the state of stage NAME in the pipeline checkpoint or savepoint POINTER, every
-    state file verified (size and CRC-32) as it is read. Prints a table of the first rows
+    Reads the state of stage NAME in the pipeline checkpoint or savepoint POINTER_OR_JOB,
+    every state file verified (size and CRC-32) as it is read. --as-of PARTITION reads the
+    state as of the end of PARTITION instead: the newest retained checkpoint there in the job
+    directory POINTER_OR_JOB (or the job directory of the checkpoint named); exit 3 naming the
+    retained partition ends when there is none. Prints a table of the first rows
     (20, or --limit) with a footer "N of M rows". --json prints JSON lines (one object per
     row: times in ISO 8601, decimals as strings, bytes as hex), --csv CSV with a header,
     --parquet PATH writes a Parquet file (never over an existing one); these three give every
@@ -94,7 +113,7 @@ def read_command(
     run_command(
         lambda: _read(
             pointer, stage, limit, where, json_output, csv_output, parquet,
-            storage_options(storage_option),
+            storage_options(storage_option), as_of,
         )
     )
 
@@ -108,10 +127,14 @@ def _read(
     csv_output: bool,
     parquet: str | None,
     options: dict,
+    as_of: str | None = None,
 ) -> None:
     if sum((json_output, csv_output, parquet is not None)) > 1:
         raise UsageError("choose one of --json, --csv and --parquet")
     conditions = _where(where)
+    if as_of is not None:
+        pointer = partition_end_pointer(location(pointer), as_of, options)
+        echo(f"as of the end of {as_of}: {pointer}", err=True)
     snapshot = open_snapshot(location(pointer), storage_options=options)
     table = snapshot.read(stage, where=conditions)
     rows = table if limit is None else table.slice(0, limit)
@@ -127,6 +150,31 @@ def _read(
         echo(f"wrote {rows.num_rows} rows of stage {stage} to {parquet}", err=True)
     else:
         _print_rows(snapshot, stage, table, DEFAULT_TABLE_ROWS if limit is None else limit)
+
+
+def partition_end_pointer(pointer_or_job: str, partition: str, options: Mapping) -> str:
+    """The newest completed checkpoint at the end of ``partition`` in the job directory
+    ``pointer_or_job`` (a checkpoint's ``chk-<id>`` stands for its job directory);
+    ``CheckpointNotFoundError`` naming the partition ends retained there when there is
+    none."""
+    parent, _, name = pointer_or_job.rstrip("/").rpartition("/")
+    job = parent if parent and name.startswith("chk-") and name[4:].isdigit() else pointer_or_job
+    ends: dict[str, tuple[int, str]] = {}
+    for info in list_checkpoints(job, storage_options=dict(options)):
+        data = info.master_states.get(SOURCE_POSITION_STATE)
+        if info.status != "completed" or data is None or info.checkpoint_id is None:
+            continue
+        position = SourcePosition.from_bytes(data)
+        if position.complete and (position.partition not in ends
+                                  or info.checkpoint_id > ends[position.partition][0]):
+            ends[position.partition] = (info.checkpoint_id, info.pointer)
+    if partition in ends:
+        return ends[partition][1]
+    retained = ", ".join(sorted(ends)) or "none"
+    raise CheckpointNotFoundError(
+        f"no retained checkpoint in {job} holds the state at the end of {partition}; the "
+        f"retained partition ends are: {retained}. Keep more of them with the pipeline's "
+        "retain_partition_ends, or read a savepoint taken there")
 
 
 def _where(items: Iterable[str] | None) -> dict[str, str]:

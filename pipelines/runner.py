@@ -32,6 +32,7 @@ from checkpoint_storage import (
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
     STATE_SCHEMA_PREFIX,
+    AlsoRetained,
     CheckpointAlreadyExistsError,
     CheckpointMetadata,
     CheckpointNotFoundError,
@@ -92,7 +93,10 @@ __all__ = [
     "check_restore_from",
     "damaged_state",
     "empty_state",
+    "head_of",
     "job_id_for",
+    "partition_ends",
+    "position_retention",
 ]
 
 logger = logging.getLogger(__name__)
@@ -174,6 +178,79 @@ class SourcePosition:
         if self.complete:
             return f"end of {self.partition}"
         return f"{self.partition} after batch {self.batches}"
+
+
+def _position_key(position: SourcePosition, order: PartitionOrder) -> tuple | None:
+    """How far ``position`` is, comparable across positions (partition order, then the end
+    of a partition after any batch count inside it); None for a partition the pipeline no
+    longer has."""
+    rank = order.rank(position.partition)
+    return None if rank is None else (rank, position.complete, position.batches)
+
+
+def _positioned(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
+                ) -> list[tuple[tuple, CompletedCheckpoint]]:
+    """The regular checkpoints with their position key, those of pipelines' positions only."""
+    found = []
+    for checkpoint in checkpoints:
+        if checkpoint.is_savepoint():
+            continue
+        try:
+            key = _position_key(SourcePosition.of(checkpoint.metadata), order)
+        except InvalidCheckpointError:
+            continue
+        if key is not None:
+            found.append((key, checkpoint))
+    return found
+
+
+def head_of(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
+            ) -> CompletedCheckpoint | None:
+    """The pipeline's head: the checkpoint of the furthest position (the newest of those
+    there), which need not be the newest checkpoint after a rewind."""
+    positioned = _positioned(checkpoints, order)
+    if not positioned:
+        return None
+    return max(positioned, key=lambda p: (p[0], p[1].checkpoint_id))[1]
+
+
+def partition_ends(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder,
+                   count: int) -> dict[str, CompletedCheckpoint]:
+    """The newest checkpoint at the end of each of the last ``count`` partitions up to the
+    head (the head's own partition if it is complete there), by partition; partitions with no
+    such checkpoint are left out."""
+    head = head_of(checkpoints, order)
+    if head is None or count <= 0:
+        return {}
+    position = SourcePosition.of(head.metadata)
+    partition = position.partition if position.complete else order.previous(position.partition)
+    window = []
+    while partition is not None and len(window) < count:
+        window.append(partition)
+        partition = order.previous(partition)
+    ends: dict[str, CompletedCheckpoint] = {}
+    for _, checkpoint in _positioned(checkpoints, order):
+        at = SourcePosition.of(checkpoint.metadata)
+        if at.complete and at.partition in window:
+            newest = ends.get(at.partition)
+            if newest is None or checkpoint.checkpoint_id > newest.checkpoint_id:
+                ends[at.partition] = checkpoint
+    return ends
+
+
+def position_retention(pipeline: StatefulPipeline) -> AlsoRetained:
+    """The pipeline's retention rule on top of its newest ``max_retained_checkpoints``: the
+    head (a rewind writes newer ids at earlier positions, which must not subsume the only
+    checkpoint of the furthest one) and the ends of its last ``retain_partition_ends``
+    partitions (time travel)."""
+    order, count = pipeline.order, pipeline.retain_partition_ends
+
+    def also_retained(checkpoints: Sequence[CompletedCheckpoint]) -> set[int]:
+        head = head_of(checkpoints, order)
+        kept = {c.checkpoint_id for c in partition_ends(checkpoints, order, count).values()}
+        return kept | ({head.checkpoint_id} if head is not None else set())
+
+    return also_retained
 
 
 class MissingStateError(LookupError):
@@ -373,6 +450,9 @@ class PartitionResult:
     checkpoints_taken: list[CheckpointSummary] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
     duration_s: float = 0.0
+    rewound: str | None = None
+    """For the first partition of a run that started before the pipeline's head: "rewound
+    from end of X to end of Y; the head is kept at <pointer>"."""
 
 
 FaultHook = Callable[..., None]
@@ -501,6 +581,7 @@ class StatefulRunner:
             self.access,
             self.pipeline.max_retained_checkpoints,
             CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
+            also_retain=position_retention(self.pipeline),
         )
 
     def _coordinate(self) -> None:
@@ -544,11 +625,17 @@ class StatefulRunner:
     ) -> list[PartitionResult]:
         # Recovered under the lease: whatever another coordinator committed before is seen.
         self._store = self._recover_store()
+        head = head_of(self._store.all(), self.order)
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
         if on_progress is not None:
             on_progress(
                 f"restored {origin} ({position})" if origin else "starting from empty state"
             )
+        rewound = self._rewind_note(head, origin, position)
+        if rewound is not None:
+            logger.warning("pipeline %s: %s", self.pipeline.name, rewound)
+            if on_progress is not None:
+                on_progress(rewound)
         results = []
         try:
             if self._damaged:
@@ -557,6 +644,8 @@ class StatefulRunner:
                     on_progress(repaired)
             for partition in partitions:
                 result = self._run_partition(partition, states, position, origin, on_progress)
+                if not results:
+                    result.rewound = rewound
                 results.append(result)
                 if on_partition_done is not None:
                     on_partition_done(result)
@@ -566,6 +655,22 @@ class StatefulRunner:
             for state in states.values():
                 state.unpersist()
         return results
+
+    def _rewind_note(self, head: CompletedCheckpoint | None, origin: str | None,
+                     position: SourcePosition) -> str | None:
+        """What a run that starts before the pipeline's ``head`` says (None: it does not).
+        The head is secured by retention (``position_retention``) for as long as it is the
+        furthest position, so nothing needs copying here."""
+        if head is None:
+            return None
+        at = SourcePosition.of(head.metadata)
+        start = _position_key(position, self.order)
+        if start is None or start >= _position_key(at, self.order):
+            return None
+        started = str(position) if origin is not None else "empty state"
+        following = self.order.following(at.partition) if at.complete else at.partition
+        return (f"rewound from {at} to {started}; the head is kept at {head.external_pointer}"
+                + (f" (a run of {following} continues from it)" if following else ""))
 
     def _batches_after(self, partition: str, position: SourcePosition) -> tuple[list[str], int]:
         """The partition's batches, and how many of them ``position`` already applied; a

@@ -167,6 +167,7 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
             "duration_s": round(result.duration_s, 3),
             **rows,
             **state_rows,
+            **({"rewound": result.rewound} if result.rewound else {}),
             **retained,
         },
     )

@@ -55,6 +55,12 @@ class RetainedSnapshot:
     modified: dt.datetime | None
     pointer: str
 
+    @property
+    def partition_end(self) -> bool:
+        """Whether this holds the state at the end of a partition: a boundary to backfill
+        from (``restore_from``) or read ``--as-of``."""
+        return self.position is not None and self.position.complete
+
     def age(self, now: dt.datetime) -> dt.timedelta | None:
         return None if self.modified is None else now - self.modified
 
@@ -131,6 +137,8 @@ _COLUMNS = [
     ("partition", "string", "source position: the partition"),
     ("batches", "int", "source position: batches of the partition applied"),
     ("complete", "bool", "source position: all of the partition's batches applied"),
+    ("partition_end", "string", "'partition end': the state at the end of the partition, a "
+     "boundary to backfill the next partitions from (restore_from) or to read --as-of"),
     ("pointer", "string", "restore_from this, or `checkpoints read` it"),
     ("size", "string", "state size"),
     ("files", "int", "state files"),
@@ -154,6 +162,7 @@ def retained_table(
                 "partition": s.position.partition if s.position else None,
                 "batches": s.position.batches if s.position else None,
                 "complete": s.position.complete if s.position else None,
+                "partition_end": "partition end" if s.partition_end else "",
                 "size": "-" if s.state_size is None else format_size(s.state_size),
                 "files": s.file_count,
                 "written": "-" if s.modified is None else s.modified.strftime("%Y-%m-%d %H:%M:%S"),

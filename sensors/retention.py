@@ -6,7 +6,8 @@ Each evaluation (at most every ``minimum_interval_seconds``, default hourly) doe
    with ``max_retained_checkpoints``, told to ``subsume()``, deletes the completed checkpoints
    beyond it,
    which a crash between "new checkpoint published" and "old one subsumed" leaves behind. The
-   newest completed checkpoint is never subsumed.
+   newest completed checkpoint is never subsumed, nor the pipeline's head (furthest position)
+   and the ends of its last ``retain_partition_ends`` partitions (``position_retention``).
 2. **Garbage collection** (``collect_garbage``): unreferenced files below ``chk-<id>/`` and
    ``shared/`` older than the grace period (abandoned checkpoints, failed task attempts); never
    a ``chk-<id>`` whose writer still holds the job lease.
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from checkpoint_storage import (
+    AlsoRetained,
     CheckpointInfo,
     CheckpointRetentionPolicy,
     FileStateHandle,
@@ -72,7 +74,7 @@ from checkpoint_storage import (
     format_size,
     list_checkpoints,
 )
-from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
+from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for, position_retention
 from resources import CheckpointStorageResource
 from sensors._retained import RETAINED_METADATA_KEY, retained_snapshots, retained_table
 
@@ -219,10 +221,13 @@ def apply_retention(
     deferred: str | None = None,
     now: dt.datetime | float | None = None,
     pipeline: str,
+    also_retain: AlsoRetained | None = None,
 ) -> RetentionReport:
     """Apply checkpoint retention, garbage collection and savepoint retention to the
     ``pipeline``'s storage (see the module docstring); ``in_use`` maps savepoint pointers to
-    why they must stay; ``deferred`` (a reason) skips checkpoint and savepoint retention."""
+    why they must stay; ``deferred`` (a reason) skips checkpoint and savepoint retention;
+    ``also_retain`` is the pipeline's rule for checkpoints kept besides the newest
+    ``max_retained`` (``position_retention``: its head and partition ends)."""
     in_use = {p.rstrip("/"): why for p, why in (in_use or {}).items()}
     options = dict(storage.storage_options)
     job_id = job_id_for(pipeline)
@@ -232,7 +237,8 @@ def apply_retention(
     if deferred is None:
         before = _completed_checkpoints(access, options)
         store = FileSystemCompletedCheckpointStore(
-            access, max_retained, CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION
+            access, max_retained, CheckpointRetentionPolicy.RETAIN_ON_CANCELLATION,
+            also_retain=also_retain,
         )
         store.subsume()  # recovery reads only; retention subsumes explicitly
         retained = {c.external_pointer.rstrip("/") for c in store.all()}
@@ -375,6 +381,7 @@ def build_retention_sensor(
         report = apply_retention(
             storage,
             max_retained=pipeline.max_retained_checkpoints,
+            also_retain=position_retention(pipeline),
             policy=policy,
             in_use=in_use,
             deferred=deferred,

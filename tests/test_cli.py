@@ -1007,7 +1007,7 @@ def test_list_of_a_data_directory_finds_every_job_below_it(tmp_path):
 
 def test_list_table_shows_each_pipeline_and_its_positions(tmp_path):
     """The table of a data directory has one section per job, headed by the pipeline's name,
-    with positions as `partition, N batches` and `partition, complete (N batches)`."""
+    with positions as `partition, N batches` and `partition, partition end (N batches)`."""
     data = DataDirectory(tmp_path)
 
     result = run("list", tmp_path / ".data")
@@ -1022,8 +1022,8 @@ def test_list_table_shows_each_pipeline_and_its_positions(tmp_path):
     cells = [[c.strip() for c in row if c.strip()] for row in clicks]
     assert [
         ["1", "checkpoint", "completed", "2026-10-06, 3 batches"],
-        ["2", "checkpoint", "completed", "2026-10-06, complete (4 batches)"],
-        ["2", "savepoint", "completed", "2026-10-06, complete (4 batches)"],
+        ["2", "checkpoint", "completed", "2026-10-06, partition end (4 batches)"],
+        ["2", "savepoint", "completed", "2026-10-06, partition end (4 batches)"],
     ] == [row[:4] for row in cells]
     views = [line.split("  ") for line in sections[1].splitlines()[2:]]
     assert ["7", "checkpoint", "completed", "2026-10-05, 1 batch"] == (

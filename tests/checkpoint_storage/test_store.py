@@ -339,6 +339,24 @@ def test_shared_state_lives_exactly_as_long_as_a_retained_checkpoint_uses_it(bac
     assert [True, False] == [alive_while_used, job.exists(reused.path)]
 
 
+def test_also_retained_checkpoints_stay_and_a_gap_between_them_is_released(backend):
+    """An ``also_retain`` rule (a pipeline's head or partition end) keeps checkpoint 1 beyond
+    ``max_retained``; checkpoint 2, subsumed between 1 and 3, takes its own shared file with
+    it although its id is above the lowest retained one (release by reference, not by id),
+    and the store reopened with the rule keeps the same."""
+    job = Job(backend)
+    store = job.store(max_retained=1, also_retain=lambda checkpoints: {1})
+    added = [job.checkpoint(i, shared=1) for i in (1, 2, 3)]
+    own = [CompletedCheckpoint(*c).shared_handles()[0].path for c in added]
+    for checkpoint in added:
+        store.add_checkpoint(*checkpoint)
+    store.shared_state_registry.wait_for_pending_deletions()
+    assert ids(store) == [1, 3]
+    assert [job.exists(path) for path in own] == [True, False, True]
+    assert not job.store(max_retained=1, also_retain=lambda checkpoints: {1}).needs_subsumption
+    assert job.store(max_retained=1).needs_subsumption
+
+
 def test_no_claim_restore_never_deletes_the_snapshot(backend):
     """NO_CLAIM: the restored checkpoint of another job survives every later subsumption, and
     a checkpoint that reuses its shared state is refused."""

@@ -1,10 +1,12 @@
 """Backfill from a savepoint: a ``restore_from`` that does not exist or does not fit the
 range fails the run before any Spark work, with a message that says why."""
 
+import dataclasses
 from functools import cached_property
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from pipelines import SourcePosition, job_id_for
 from resources import SparkResource
@@ -100,3 +102,33 @@ def test_claim_of_another_pipelines_checkpoint_fails_before_spark(tmp_path):
     assert message.startswith(f"pipelines.runner.ClaimRefusedError: restore_from {pointer}")
     assert ("use NO_CLAIM" in message, SPARK_GUARD in message) == (True, False)
     assert Path(pointer, "_metadata").is_file()
+
+
+def _pointers(result, name: str) -> dict[str, str]:
+    return {m.partition: m.metadata["checkpoint_pointer"].path
+            for m in result.asset_materializations_for_node(name) if m.asset_key.path == [name]}
+
+
+@pytest.mark.timeout(600)
+def test_a_backfill_from_a_retained_partition_end_keeps_the_head_and_records_it(tmp_path):
+    """With the last 3 partition ends retained (and 1 checkpoint), a backfill of 10-02 from the
+    checkpoint at the end of 10-01 needs no savepoint; its materialization records "rewound
+    from end of 10-03 to end of 10-01; the head is kept at <pointer>", and the head is still
+    retained afterwards."""
+    resources = resources_for(tmp_path)
+    pipeline = dataclasses.replace(click_pipeline(tmp_path, max_retained_checkpoints=1),
+                                   retain_partition_ends=3)
+    with dg.instance_for_test() as instance:
+        first = materialize_range(instance, resources, "2026-10-01", "2026-10-03",
+                                  pipeline=pipeline)
+        assert first.success
+        pointers = _pointers(first, pipeline.name)
+        backfill = materialize_range(instance, resources, "2026-10-02", "2026-10-02",
+                                     pipeline=pipeline, restore_from=pointers["2026-10-01"])
+    assert backfill.success
+    (materialization,) = [m for m in backfill.asset_materializations_for_node(pipeline.name)
+                          if m.asset_key.path == [pipeline.name]]
+    assert materialization.metadata["rewound"].value == (
+        f"rewound from end of 2026-10-03 to end of 2026-10-01; the head is kept at "
+        f"{pointers['2026-10-03']} (a run of 2026-10-04 continues from it)")
+    assert Path(pointers["2026-10-03"], "_metadata").exists()

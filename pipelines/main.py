@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 import threading
+import uuid
 import warnings
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import dagster as dg
 from checkpoint_storage import format_age, format_size
 from pipelines import SourcePosition, job_id_for
 from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
-from sensors import RetainedSnapshot, retained_snapshots
+from sensors import INTERRUPTED_TAG, RetainedSnapshot, retained_snapshots
 
 __all__ = [
     "backfill_command",
@@ -174,11 +175,13 @@ class Interrupt:
     _TO_APPLY = re.compile(r"(\S+): (\d+) of (\d+) batches to apply")
     _BATCH = re.compile(r"(\S+): batch (\d+) of (\d+) ")
 
-    def __init__(self) -> None:
+    def __init__(self, instance: dg.DagsterInstance | None = None,
+                 run_id: str | None = None) -> None:
         self.requested = threading.Event()
         self.partition: str | None = None
         self.applied = 0  # batches of ``partition`` in the state
         self.session = None
+        self.instance, self.run_id = instance, run_id  # the run to tag as stopped by its user
 
     def note(self, message: str) -> None:
         if match := self._TO_APPLY.match(message):
@@ -232,6 +235,11 @@ def stop_spark_on_interrupt(interrupt: Interrupt):
         else:
             return
         interrupt.requested.set()
+        if interrupt.instance is not None and interrupt.run_id is not None:
+            # before the run fails: the recovery sensor must never relaunch what the user
+            # stopped
+            with contextlib.suppress(Exception):
+                interrupt.instance.add_run_tags(interrupt.run_id, {INTERRUPTED_TAG: "Ctrl-C"})
         quiet = False
         while not finished.is_set():
             session = interrupt.session
@@ -351,18 +359,21 @@ def main(argv: list[str] | None = None) -> int:
     if partitions:
         job = defs.resolve_job_def(f"{NAME}_job")
         global _interrupt
-        _interrupt = interrupt = Interrupt()
-        with dg.DagsterInstance.get() as instance, stop_spark_on_interrupt(interrupt):
+        run_id = str(uuid.uuid4())
+        with dg.DagsterInstance.get() as instance:
+            _interrupt = interrupt = Interrupt(instance, run_id)
             limit_pools(instance, defs)
-            result = job.execute_in_process(
-                instance=instance,
-                run_config=PROGRESS,
-                tags={
-                    "dagster/asset_partition_range_start": partitions[0],
-                    "dagster/asset_partition_range_end": partitions[-1],
-                },
-                raise_on_error=False,
-            )
+            with stop_spark_on_interrupt(interrupt):
+                result = job.execute_in_process(
+                    instance=instance,
+                    run_id=run_id,
+                    run_config=PROGRESS,
+                    tags={
+                        "dagster/asset_partition_range_start": partitions[0],
+                        "dagster/asset_partition_range_end": partitions[-1],
+                    },
+                    raise_on_error=False,
+                )
         if interrupt.requested.is_set():
             latest = storage.create_checkpoint_storage(job_id_for(NAME))
             print(interrupt.line(NAME, latest.latest_completed_checkpoint()), flush=True)

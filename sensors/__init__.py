@@ -44,6 +44,7 @@ from sensors._retained import (
 )
 from sensors.component import ImportReference, PartitionsSpec, StatefulPipelineComponent
 from sensors.recovery import (
+    INTERRUPTED_TAG,
     RECOVERY_ATTEMPT_TAG,
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
@@ -73,6 +74,7 @@ __all__ = [
     "FAULT_INJECTION_ENV",
     "FAULT_TAG",
     "INTEGRITY_CHECK",
+    "INTERRUPTED_TAG",
     "RECOVERY_ATTEMPT_TAG",
     "RECOVERY_OF_TAG",
     "RECOVERY_ROOT_TAG",

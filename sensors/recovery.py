@@ -60,6 +60,7 @@ from sensors._tags import (
 )
 
 __all__ = [
+    "INTERRUPTED_TAG",
     "RECOVERY_ATTEMPT_TAG",
     "RECOVERY_OF_TAG",
     "RECOVERY_ROOT_TAG",
@@ -72,6 +73,8 @@ __all__ = [
 RECOVERY_ROOT_TAG = "recovery/root_run_id"
 RECOVERY_ATTEMPT_TAG = "recovery/attempt"
 RECOVERY_OF_TAG = "recovery/of_run_id"
+INTERRUPTED_TAG = "recovery/interrupted"
+"""Set on a run its user stopped (Ctrl-C in ``scripts/run``): its failure is not recovered."""
 # How far back a tick looks: the newest runs of the instance (all jobs) it reads each tick.
 RECENT_RUNS = 500
 _IN_PROGRESS = {
@@ -130,6 +133,11 @@ def plan_recovery(
         return dg.SkipReason(
             f"run {run_id} failed; Dagster's run retries will retry it "
             f"({MAX_RETRIES_TAG}={failed.tags.get(MAX_RETRIES_TAG, 'instance default')})"
+        )
+    if failed.tags.get(INTERRUPTED_TAG):
+        return dg.SkipReason(
+            f"run {run_id} was stopped by its user ({failed.tags[INTERRUPTED_TAG]}): not "
+            "recovered; launch it again to continue from its last checkpoint"
         )
     if instance.get_run_ids(dg.RunsFilter(tags={RECOVERY_OF_TAG: run_id}), limit=1):
         return dg.SkipReason(f"run {run_id} already has a recovery run")

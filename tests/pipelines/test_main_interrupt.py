@@ -11,9 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+import dagster as dg
 import pytest
 
 from pipelines.examples.click_events import NAME
+from sensors import INTERRUPTED_TAG
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP_WITHIN = 30.0  # seconds from Ctrl-C to exit (a loaded machine: it takes ~3 s)
@@ -31,11 +33,12 @@ def _main(env: dict, days: int) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(900)
-def test_ctrl_c_stops_with_one_line_and_the_next_run_continues(tmp_path):
+def test_ctrl_c_stops_with_one_line_and_the_next_run_continues(tmp_path, monkeypatch):
     """Two days to process; Ctrl-C (SIGINT to the process group) once the second day's first
     batch is applied: exit 130 within STOP_WITHIN seconds, one "interrupted:" line naming the
-    partition, the batch and the last completed checkpoint, no traces; the next run starts
-    from exactly that checkpoint."""
+    partition, the batch and the last completed checkpoint, no traces; the run is tagged as
+    stopped by its user (the recovery sensor leaves it alone); the next run starts from exactly
+    that checkpoint."""
     env = os.environ | {
         "DAGSTER_HOME": str(tmp_path / "home"),
         "PIPELINE_DATA_DIR": str(tmp_path / "data"),
@@ -79,6 +82,12 @@ def test_ctrl_c_stops_with_one_line_and_the_next_run_continues(tmp_path):
     assert line == after[-1]
     pointer, position = match[2], match[3]
     assert int(match[1]) >= 2
+
+    monkeypatch.setenv("DAGSTER_HOME", env["DAGSTER_HOME"])
+    with dg.DagsterInstance.get() as instance:
+        (stopped,) = instance.get_runs()
+    assert "Ctrl-C" == stopped.tags.get(INTERRUPTED_TAG)
+    assert dg.DagsterRunStatus.FAILURE == stopped.status
 
     again = subprocess.run(
         [sys.executable, "-m", "pipelines.main", "--days", "1"],

@@ -13,6 +13,7 @@ from dagster._core.events import StepMaterializationData
 
 from resources import CheckpointStorageResource, SparkResource
 from sensors import (
+    INTERRUPTED_TAG,
     RECOVERY_ATTEMPT_TAG,
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
@@ -137,6 +138,17 @@ def test_a_failed_run_is_recovered_once():
         third = evaluate(sensor, instance)
     assert isinstance(third, dg.SkipReason)
     assert f"run {run.run_id} already has a recovery run" in third.skip_message
+
+
+def test_a_run_its_user_stopped_is_not_recovered():
+    """A run stopped with Ctrl-C in scripts/run (tagged so before it failed) is left alone:
+    the user stopped it on purpose; the skip reason says so and how to continue."""
+    with dg.instance_for_test() as instance:
+        run = failed_run(instance, RANGE | {INTERRUPTED_TAG: "Ctrl-C"})
+        decision = evaluate(recovery_sensor(3), instance)
+    assert isinstance(decision, dg.SkipReason)
+    assert (f"run {run.run_id} was stopped by its user (Ctrl-C): not recovered; launch it "
+            "again to continue from its last checkpoint") in decision.skip_message
 
 
 @pytest.mark.parametrize(("attempt", "recovers"), [(1, True), (2, True), (3, False)])

@@ -17,7 +17,8 @@ Per pipeline ``<name>``:
   grace-period collector would, and scheduled savepoints beyond the newest K; never a
   snapshot in use, never a hand-made savepoint unless configured.
 - ``<name>_recovery_sensor``: RUNNING. One recovery run per failed run of ``<name>`` (whatever
-  started it) that no later run covered, a bounded number of attempts.
+  started it) that no later run covered, a bounded number of attempts; a STARTED run whose
+  job lease expired (its worker is gone) is reported failed first.
 
 Stop any of them in the UI (Automation) or with ``dagster schedule stop`` / ``dagster sensor
 stop``.
@@ -49,6 +50,8 @@ from sensors.recovery import (
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
+    dead_run_reason,
+    fail_dead_runs,
     plan_recovery,
     recovery_decisions,
 )
@@ -94,6 +97,8 @@ __all__ = [
     "build_savepoint_job",
     "build_savepoint_schedule",
     "build_stateful_assets",
+    "dead_run_reason",
+    "fail_dead_runs",
     "integrity_check_result",
     "pipeline_definitions",
     "plan_recovery",

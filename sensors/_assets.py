@@ -33,6 +33,7 @@ from pipelines import (
 )
 from resources import CheckpointStorageResource, SparkResource
 from sensors._retained import WITHOUT_METADATA, retained_metadata
+from sensors.recovery import run_lease_owner
 
 __all__ = [
     "FAULT_INJECTION_ENV",
@@ -304,7 +305,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
         runner = runner_for(
             pipeline, spark, checkpoint_storage, fault_hook=fault_hook,
-            lease_owner=f"dagster run {context.run.run_id}",
+            lease_owner=run_lease_owner(context.run.run_id),
         )
 
         def record(result: PartitionResult) -> None:

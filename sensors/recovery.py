@@ -32,6 +32,16 @@ backfill from a savepoint) and completed no partition, the recovery keeps that
   directory on top of that.
 - A run whose worker died (SIGKILL, OOM) is marked failed by Dagster (the code server that
   launched it, or run monitoring, see ``pipelines/instance.py``) and recovered like any other.
+- **A dead worker Dagster cannot see** (machine lost: worker and code server gone) leaves its
+  run STARTED forever. But a run that writes the state holds the pipeline's job lease (owner
+  ``dagster run <run id>``, renewed every ttl/3 by its process). Before its decisions, each
+  tick reads the lease once when a run of the pipeline is STARTED; when that run owns the
+  lease and the lease has been *expired* (not released) for at least ``lease_grace`` (default:
+  the lease's own ttl, so clock skew and one slow renewal never count), its process stopped
+  renewing it: the sensor reports the run failed (``report_run_failed``, naming the lease) and
+  recovers it in the same tick. A run holding no lease yet, a released lease (the run ended
+  ``run()`` and is finishing its sinks) or a lease of another run is never evidence. Were the
+  process only frozen, the lease fences it: it can publish no checkpoint any more.
 
 **Relation to Dagster's run retries** (``run_retries`` in ``dagster.yaml`` and the
 ``dagster/max_retries`` tag): a run retry re-executes the failed run as it was, over the same
@@ -45,12 +55,22 @@ exhausted, the sensor takes over.
 """
 
 import copy
+import datetime as dt
 import os
+import time
 from collections.abc import Collection, Sequence
 
 import dagster as dg
 
-from pipelines import StatefulPipeline
+from checkpoint_storage import (
+    CheckpointStorageError,
+    FileSystemCheckpointStorage,
+    LeaseRecord,
+    read_job_lease,
+    url_to_fs,
+)
+from pipelines import StatefulPipeline, job_id_for
+from resources import CheckpointStorageResource
 from sensors._tags import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
@@ -66,7 +86,10 @@ __all__ = [
     "RECOVERY_ROOT_TAG",
     "RECENT_RUNS",
     "build_recovery_sensor",
+    "dead_run_reason",
+    "fail_dead_runs",
     "plan_recovery",
+    "run_lease_owner",
     "recovery_decisions",
 ]
 
@@ -84,6 +107,83 @@ _IN_PROGRESS = {
     dg.DagsterRunStatus.STARTED,
     dg.DagsterRunStatus.CANCELING,
 }
+
+
+def run_lease_owner(run_id: str) -> str:
+    """The owner name a Dagster run's runner takes the pipeline's job lease with."""
+    return f"dagster run {run_id}"
+
+
+def dead_run_reason(
+    record: LeaseRecord | None,
+    run_id: str,
+    *,
+    grace: dt.timedelta | None = None,
+    now: float | None = None,
+) -> str | None:
+    """Why the STARTED run ``run_id`` is dead, judged by the job lease ``record``; None when
+    the lease is no evidence (never taken, held by another owner, held, released, unreadable,
+    or expired less than ``grace`` ago; ``grace`` None: the lease's own ttl)."""
+    if record is None or record.owner != run_lease_owner(run_id):
+        return None
+    now = time.time() if now is None else now
+    if record.state(now) != "expired":
+        return None
+    grace_s = record.ttl_seconds if grace is None else grace.total_seconds()
+    if now - record.expires_at < grace_s:
+        return None
+    expired = dt.datetime.fromtimestamp(record.expires_at, dt.UTC).isoformat(timespec="seconds")
+    return (
+        f"run {run_id} stopped renewing the job lease it holds (epoch {record.epoch}, owner "
+        f"{record.owner!r}, ttl {record.ttl_seconds:g} s): it expired at {expired} "
+        f"({now - record.expires_at:.0f} s ago, more than the grace of {grace_s:g} s), so its "
+        "worker process is gone (machine lost, or its process tree killed) although Dagster "
+        "still shows the run STARTED"
+    )
+
+
+def fail_dead_runs(
+    instance: dg.DagsterInstance,
+    pipeline: StatefulPipeline,
+    job_name: str,
+    storage: FileSystemCheckpointStorage,
+    *,
+    grace: dt.timedelta | None = None,
+    limit: int = RECENT_RUNS,
+) -> list[str]:
+    """Report failed each STARTED run of ``pipeline`` (among the runs ``recovery_decisions``
+    considers) whose worker stopped renewing the job lease it holds (``dead_run_reason``);
+    returns what was done, or why the lease could not be read (then nothing is reported)."""
+    started = [
+        r
+        for r in instance.get_runs(
+            dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]), limit=limit
+        )
+        if _advances(r, pipeline, job_name)
+    ]
+    if not started:
+        return []
+    directory = storage.create_checkpoint_storage(job_id_for(pipeline.name)).checkpoints_directory
+    try:
+        fs, path = url_to_fs(directory, storage.storage_options)
+        record = read_job_lease(fs, path)
+    except (OSError, CheckpointStorageError) as exc:
+        return [
+            f"could not read the job lease of {pipeline.name} in {directory} "
+            f"({type(exc).__name__}): a run whose worker died is not detected this tick"
+        ]
+    notes = []
+    for run in started:
+        reason = dead_run_reason(record, run.run_id, grace=grace)
+        if reason is None:
+            continue
+        current = instance.get_run_by_id(run.run_id)
+        if current is None or current.status != dg.DagsterRunStatus.STARTED:
+            continue  # it ended meanwhile: its own end stands
+        message = f"{reason}; job lease of {pipeline.name} in {directory}/_lease"
+        instance.report_run_failed(current, message)
+        notes.append(f"reported run {run.run_id} failed: {message}")
+    return notes
 
 
 def _partitions_of(run: dg.DagsterRun, partitions: dg.PartitionsDefinition) -> list[str]:
@@ -260,9 +360,13 @@ def build_recovery_sensor(
     job,
     max_attempts: int | None = None,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
+    *,
+    lease_grace: dt.timedelta | None = None,
 ) -> dg.SensorDefinition:
     """The recovery sensor of ``pipeline``'s ``job`` (its asset job), stopping after
-    ``max_attempts`` (``RECOVERY_MAX_ATTEMPTS``, 3) per first failure."""
+    ``max_attempts`` (``RECOVERY_MAX_ATTEMPTS``, 3) per first failure. ``lease_grace``: how
+    long a STARTED run's job lease must have been expired before the run counts as dead
+    (default: the lease's ttl)."""
     bound = max_attempts or int(os.environ.get("RECOVERY_MAX_ATTEMPTS", "3"))
     if bound < 1:
         raise ValueError(f"max_attempts must be >= 1, got {bound}")
@@ -279,7 +383,19 @@ def build_recovery_sensor(
         "complete, restoring from the latest completed checkpoint; one per failed run, at "
         f"most {bound} attempts per first failure.",
     )
-    def recovery_sensor(context: dg.SensorEvaluationContext):
+    def recovery_sensor(
+        context: dg.SensorEvaluationContext, checkpoint_storage: CheckpointStorageResource
+    ):
+        # First, so that a run found dead is recovered by the decisions of this same tick.
+        dead = fail_dead_runs(
+            context.instance,
+            pipeline,
+            job.name,
+            checkpoint_storage.checkpoint_storage(),
+            grace=lease_grace,
+        )
+        for note in dead:
+            context.log.warning(note)
         op_names = None
         if context.repository_def is not None:
             op_names = set(context.repository_def.get_job(job.name).graph.node_names())
@@ -295,6 +411,6 @@ def build_recovery_sensor(
             )
         if requests:
             return requests
-        return dg.SkipReason("; ".join(reasons[:5]))
+        return dg.SkipReason("; ".join([*dead, *reasons][:5]))
 
     return recovery_sensor

@@ -3,6 +3,8 @@ leaves (no daemon): one recovery request per failed run that no later run covere
 started it, over the partitions that did not complete, restoring from the latest checkpoint,
 and no more than the attempt bound. No cursor: a failure is found whenever the sensor looks."""
 
+import datetime as dt
+import time
 import uuid
 
 import dagster as dg
@@ -11,6 +13,8 @@ import pytest
 # No public constructor for a run's materialization event without a step context.
 from dagster._core.events import StepMaterializationData
 
+from checkpoint_storage import read_job_lease, url_to_fs
+from pipelines import job_id_for
 from resources import CheckpointStorageResource, SparkResource
 from sensors import (
     INTERRUPTED_TAG,
@@ -18,13 +22,16 @@ from sensors import (
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
+    dead_run_reason,
     pipeline_definitions,
 )
+from sensors.recovery import run_lease_owner
 from tests.sensors.conftest import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
     PARTITION_NAME_TAG,
     SMALL_LANDING,
+    storage_resource,
     unused_click_pipeline,
 )
 
@@ -68,29 +75,33 @@ def failed_run(instance, tags, completed=(), run_config=CONFIG, **fields) -> dg.
     return instance.get_run_by_id(run.run_id)
 
 
-# Resources are never started here: the sensor only reads the job's ops.
+# The sensor reads the job's ops, and the job lease from the checkpoint storage (no lease
+# was ever taken in /nonexistent).
+NO_STORAGE = CheckpointStorageResource(
+    checkpoint_dir="/nonexistent/checkpoints", savepoint_dir="/nonexistent/savepoints"
+)
 DEFS = dg.Definitions.merge(
     pipeline_definitions(PIPELINE),
     dg.Definitions(
-        resources={
-            "spark": SparkResource(master="local[1]"),
-            "checkpoint_storage": CheckpointStorageResource(
-                checkpoint_dir="/nonexistent/checkpoints", savepoint_dir="/nonexistent/savepoints"
-            ),
-        }
+        resources={"spark": SparkResource(master="local[1]"), "checkpoint_storage": NO_STORAGE}
     ),
 )
 
 
-def recovery_sensor(max_attempts: int) -> dg.SensorDefinition:
+def recovery_sensor(max_attempts: int, **options) -> dg.SensorDefinition:
     (job,) = [j for j in DEFS.jobs if JOB == j.name]
-    return build_recovery_sensor(PIPELINE, job, max_attempts)
+    return build_recovery_sensor(PIPELINE, job, max_attempts, **options)
 
 
-def evaluate(sensor, instance):
+def evaluate(sensor, instance, storage: CheckpointStorageResource = NO_STORAGE):
     """One tick of ``sensor`` (no cursor): the one request, a list of several, or the skip."""
-    context = dg.build_sensor_context(instance=instance, repository_def=DEFS.get_repository_def())
-    result = sensor(context)
+    # As a context manager, so the resources the context builds are torn down on exit.
+    with dg.build_sensor_context(
+        instance=instance,
+        repository_def=DEFS.get_repository_def(),
+        resources={"checkpoint_storage": storage},
+    ) as context:
+        result = sensor(context)
     if isinstance(result, list) and len(result) == 1:
         return result[0]
     return result
@@ -285,3 +296,141 @@ def test_failures_from_before_the_sensor_looked_are_all_recovered():
         requests = evaluate(recovery_sensor(3), instance)
     assert isinstance(requests, dg.RunRequest), requests
     assert latest.run_id == requests.run_key != earlier.run_id
+
+
+# --- a dead run worker, noticed from the job lease ----------------------------------------
+
+
+def take_lease(storage: CheckpointStorageResource, run_id: str, ttl: float):
+    """The pipeline's job lease, taken as the run ``run_id``'s runner takes it, never renewed
+    (as if its process had died right after)."""
+    access = storage.checkpoint_storage().create_checkpoint_storage(job_id_for(PIPELINE.name))
+    return access.acquire_job_lease(run_lease_owner(run_id), ttl=ttl, auto_renew=False)
+
+
+def expire(lease, past_grace: float = 1.0) -> None:
+    """Wait until ``lease`` has been expired for ``past_grace`` of its ttl and a bit (time
+    only moves on: once true, it stays true)."""
+    record = lease.record
+    while time.time() <= record.expires_at + past_grace * record.ttl_seconds + 0.02:
+        time.sleep(0.02)
+
+
+def current_lease(storage: CheckpointStorageResource):
+    access = storage.checkpoint_storage().create_checkpoint_storage(job_id_for(PIPELINE.name))
+    fs, path = url_to_fs(access.checkpoints_directory)
+    return read_job_lease(fs, path)
+
+
+def started_run(instance, partition: str = "2026-10-02") -> dg.DagsterRun:
+    return add_run(instance, {PARTITION_NAME_TAG: partition}, dg.DagsterRunStatus.STARTED)
+
+
+def status(instance, run) -> dg.DagsterRunStatus:
+    return instance.get_run_by_id(run.run_id).status
+
+
+def failure_message(instance, run) -> str:
+    (entry,) = instance.all_logs(run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)
+    return entry.dagster_event.message or ""
+
+
+@pytest.mark.timeout(60)
+def test_a_started_run_whose_lease_expired_is_failed_and_recovered_in_the_same_tick(tmp_path):
+    """Worker and code server gone: the run stays STARTED, but the job lease it holds expired
+    more than a ttl ago. The tick reports it failed, naming the lease, and requests its
+    recovery at once."""
+    storage = storage_resource(tmp_path)
+    with dg.instance_for_test() as instance:
+        run = started_run(instance)
+        expire(take_lease(storage, run.run_id, ttl=0.1))
+        request = evaluate(recovery_sensor(3), instance, storage)
+        assert dg.DagsterRunStatus.FAILURE == status(instance, run)
+        message = failure_message(instance, run)
+    assert isinstance(request, dg.RunRequest), request
+    assert (run.run_id, "2026-10-02") == (request.run_key, request.partition_key)
+    assert run.run_id == request.tags[RECOVERY_OF_TAG]
+    assert f"run {run.run_id} stopped renewing the job lease it holds (epoch 1" in message
+    assert "it expired at 20" in message and "worker process is gone" in message
+    assert f"{job_id_for(PIPELINE.name)}/_lease" in message
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_of_another_run_is_no_evidence(tmp_path):
+    """Two STARTED runs, the expired lease is the first one's: only that one is failed."""
+    storage = storage_resource(tmp_path)
+    with dg.instance_for_test() as instance:
+        owner, other = started_run(instance, "2026-10-01"), started_run(instance, "2026-10-02")
+        expire(take_lease(storage, owner.run_id, ttl=0.1))
+        evaluate(recovery_sensor(3), instance, storage)
+        statuses = status(instance, owner), status(instance, other)
+    assert (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.STARTED) == statuses
+
+
+@pytest.mark.timeout(60)
+def test_a_run_without_a_lease_yet_then_with_an_expired_one(tmp_path):
+    """A STARTED run that holds no lease yet (still starting) is left alone; once a lease it
+    took has expired past the grace, it is failed."""
+    storage = storage_resource(tmp_path)
+    sensor = recovery_sensor(3)
+    with dg.instance_for_test() as instance:
+        run = started_run(instance)
+        first = evaluate(sensor, instance, storage)
+        assert dg.DagsterRunStatus.STARTED == status(instance, run)
+        assert isinstance(first, dg.SkipReason), first
+        expire(take_lease(storage, run.run_id, ttl=0.1))
+        evaluate(sensor, instance, storage)
+        assert dg.DagsterRunStatus.FAILURE == status(instance, run)
+
+
+@pytest.mark.timeout(60)
+def test_a_released_lease_is_no_evidence(tmp_path):
+    """A run that released its lease (its ``run()`` ended; sinks and checks may still run)
+    stays STARTED however long ago; a later run's expired lease is evidence against it only."""
+    storage = storage_resource(tmp_path)
+    with dg.instance_for_test() as instance:
+        finishing, dead = started_run(instance, "2026-10-01"), started_run(instance, "2026-10-02")
+        released = take_lease(storage, finishing.run_id, ttl=0.1)
+        released.release()
+        expire(released)
+        evaluate(recovery_sensor(3), instance, storage)
+        assert dg.DagsterRunStatus.STARTED == status(instance, finishing)
+        expire(take_lease(storage, dead.run_id, ttl=0.1))
+        evaluate(recovery_sensor(3), instance, storage)
+        statuses = status(instance, finishing), status(instance, dead)
+    assert (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.FAILURE) == statuses
+
+
+@pytest.mark.timeout(60)
+def test_a_live_lease_is_no_evidence(tmp_path):
+    """A run whose lease is held (renewed within its ttl) is left alone; the same record,
+    once expired for a ttl, would be evidence."""
+    storage = storage_resource(tmp_path)
+    with dg.instance_for_test() as instance:
+        run = started_run(instance)
+        lease = take_lease(storage, run.run_id, ttl=600)
+        decision = evaluate(recovery_sensor(3), instance, storage)
+        assert dg.DagsterRunStatus.STARTED == status(instance, run)
+    assert isinstance(decision, dg.SkipReason), decision
+    record = current_lease(storage)
+    assert record.owner == run_lease_owner(run.run_id) == lease.owner
+    later = record.expires_at + 1.01 * record.ttl_seconds
+    assert dead_run_reason(record, run.run_id, now=later) is not None
+
+
+@pytest.mark.timeout(60)
+def test_an_expiry_within_the_grace_is_no_evidence(tmp_path):
+    """Expired, but less than the grace ago (clock skew, one slow renewal): left alone. The
+    default grace is the lease's ttl."""
+    storage = storage_resource(tmp_path)
+    with dg.instance_for_test() as instance:
+        run = started_run(instance)
+        expire(take_lease(storage, run.run_id, ttl=0.1))
+        evaluate(recovery_sensor(3, lease_grace=dt.timedelta(hours=1)), instance, storage)
+        assert dg.DagsterRunStatus.STARTED == status(instance, run)
+        evaluate(recovery_sensor(3), instance, storage)  # the default grace: one ttl
+        assert dg.DagsterRunStatus.FAILURE == status(instance, run)
+    record = current_lease(storage)
+    assert record.state(record.expires_at + 0.5 * record.ttl_seconds) == "expired"
+    half_a_ttl = record.expires_at + 0.5 * record.ttl_seconds
+    assert dead_run_reason(record, run.run_id, now=half_a_ttl) is None

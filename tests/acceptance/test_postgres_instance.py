@@ -142,8 +142,12 @@ def test_postgres_instance_runs_fault_recovery_and_savepoint_backfill(
 
     # 3. A tick of the recovery sensor of the definitions finds the failed run in PostgreSQL.
     sensor = next(s for s in defs.sensors if s.name == f"{NAME}_recovery_sensor")
-    context = dg.build_sensor_context(instance=instance, repository_def=defs.get_repository_def())
-    (request,) = sensor(context)
+    # the daemon binds the definitions' resources to a sensor; a built context takes them
+    with dg.build_sensor_context(
+        instance=instance, repository_def=defs.get_repository_def(),
+        resources={"checkpoint_storage": storage},
+    ) as context:
+        (request,) = sensor(context)
     assert isinstance(request, dg.RunRequest), request
     assert HOURS[1] == request.partition_key
     assert failed.run_id == request.tags[RECOVERY_OF_TAG]

@@ -683,12 +683,12 @@ def _lease_reader(fs: AbstractFileSystem) -> Callable[[str], LeaseRecord | None]
     lock = threading.Lock()
 
     def lease_of(job: str) -> LeaseRecord | None:
+        # read under the lock: the listing's threads would otherwise all read it at once
+        # (a LIST and a GET each), before the first of them cached it
         with lock:
-            if job in leases:
-                return leases[job]
-        record = read_job_lease(fs, job)  # two threads may both read it: harmless
-        with lock:
-            return leases.setdefault(job, record)
+            if job not in leases:
+                leases[job] = read_job_lease(fs, job)
+            return leases[job]
 
     return lease_of
 

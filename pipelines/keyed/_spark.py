@@ -518,22 +518,31 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     return removed
 
 
+def _open_held(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
+               version: str) -> tuple[ArrowKeyedStateStore | None, str | None]:
+    """The range's local store if it holds the chain state ``version`` names (None if not),
+    and why it could not be opened (None: it could, or there was none)."""
+    try:
+        store = ArrowKeyedStateStore(directory, task.layout, key_groups)
+    except LocalStoreError as exc:
+        return None, str(exc)  # damaged, unverifiable (an older format) or another stage's
+    # a stale store (or a stale copy of one) holds another chain's digest
+    if store.version == version:
+        return store, None
+    store.close()
+    return None, None
+
+
 def _open_current(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
                   stats: dict) -> ArrowKeyedStateStore:
     """The range's local store holding exactly the shipped chains' state, rebuilt if not."""
-    layout, sources = task.layout, task.sources(key_groups)
+    sources = task.sources(key_groups)
     version = chain_version(key_groups, sources)
-    damage = None
-    try:
-        store = ArrowKeyedStateStore(directory, layout, key_groups)
-        # a stale store (or a stale copy of one) holds another chain's digest: rebuilt
-        if store.version == version:
-            return store
-        store.close()
-    except LocalStoreError as exc:
-        damage = str(exc)  # damaged, unverifiable (an older format) or another stage's
+    store, damage = _open_held(task, key_groups, directory, version)
+    if store is not None:
+        return store
     started = time.perf_counter()
-    store = rebuild_store(directory, layout, key_groups, sources, version)
+    store = rebuild_store(directory, task.layout, key_groups, sources, version)
     stats.update(rebuilt=True, rebuild_rows=store.num_rows,
                  rebuild_seconds=time.perf_counter() - started, damage=damage)
     if damage is not None:
@@ -548,14 +557,7 @@ def _open_local(task: KeyedStageTask, key_groups: KeyGroupRange,
     """The range's local store if it holds exactly the shipped chains' state; None if not
     (never rebuilt: the chains are what cannot be trusted)."""
     version = chain_version(key_groups, task.sources(key_groups))
-    try:
-        store = ArrowKeyedStateStore(directory, task.layout, key_groups)
-    except LocalStoreError:
-        return None
-    if store.version == version:
-        return store
-    store.close()
-    return None
+    return _open_held(task, key_groups, directory, version)[0]
 
 
 @contextlib.contextmanager

@@ -104,6 +104,7 @@ from rich.table import Table
 from rich.text import Text
 from typer.core import TyperGroup
 
+from checkpoint_storage import _flink_cli
 from checkpoint_storage._access import resolve_checkpoint_pointer
 from checkpoint_storage._filesystems import (
     METADATA_FILE_NAME,
@@ -821,8 +822,11 @@ def _info_json(info: CheckpointInfo, now: datetime) -> dict:
     }
 
 
-def _list(directory_arg: str, as_json: bool, options: dict) -> int:
+def _list(directory_arg: str, as_json: bool, options: dict, remap=()) -> int:
     directory = location(directory_arg)
+    flink = _flink_cli.flink_directories(directory, options)
+    if flink:  # only Apache Flink's checkpoints there
+        return _flink_cli.flink_list(flink, as_json, options, remap)
     infos = _list_below(directory, options)
     now = datetime.now(UTC)
     if as_json:
@@ -1046,7 +1050,9 @@ def _master_state_lines(state: dict) -> list[str]:
     return [f"{head}: {value}"]
 
 
-def _inspect(pointer_arg: str, as_json: bool, options: dict) -> int:
+def _inspect(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
+    if _flink_cli.is_flink_pointer(location(pointer_arg), options):
+        return _flink_cli.flink_inspect(location(pointer_arg), as_json, options, remap)
     completed = resolve_checkpoint_pointer(location(pointer_arg), options)
     metadata = completed.load_metadata()
     doc = _metadata_json(completed.external_pointer, metadata)
@@ -1183,7 +1189,9 @@ def _below(path: str, directory: str) -> str:
 # --- verify, latest, gc, dispose, copy ---------------------------------------------------
 
 
-def _verify(pointer_arg: str, as_json: bool, options: dict) -> int:
+def _verify(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
+    if _flink_cli.is_flink_pointer(location(pointer_arg), options):
+        return _flink_cli.flink_verify(location(pointer_arg), as_json, options, remap)
     completed = resolve_checkpoint_pointer(location(pointer_arg), options)
     with progress("verifying") as update:
         report = verify_checkpoint(completed, progress=update)
@@ -1445,7 +1453,10 @@ def _lease_break(directory_arg: str, as_json: bool, options: dict, *, force: boo
 
 
 def list_command(
-    directory: _Dir, json_output: JsonOption = False, storage_option: StorageOption = None
+    directory: _Dir,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+    remap: _flink_cli.RemapOption = None,
 ) -> None:
     """The checkpoints and savepoints of a job directory, or of every job below DIR.
 
@@ -1460,11 +1471,18 @@ def list_command(
     checkpoint_id, kind, status, reason, state_size, file_count, modified, age_seconds,
     job_name, source_position (the position's JSON object).
     """
-    run_command(lambda: _list(directory, json_output, storage_options(storage_option)))
+    run_command(
+        lambda: _list(
+            directory, json_output, storage_options(storage_option), _flink_cli.remap_pairs(remap)
+        )
+    )
 
 
 def inspect_command(
-    pointer: _Pointer, json_output: JsonOption = False, storage_option: StorageOption = None
+    pointer: _Pointer,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+    remap: _flink_cli.RemapOption = None,
 ) -> None:
     """The metadata of a checkpoint or savepoint.
 
@@ -1474,11 +1492,18 @@ def inspect_command(
     handles (type, path or inline size, size, CRC-32). JSON: master_states is a list of
     name, size, encoding (json / arrow-schema / text / base64), value and base64.
     """
-    run_command(lambda: _inspect(pointer, json_output, storage_options(storage_option)))
+    run_command(
+        lambda: _inspect(
+            pointer, json_output, storage_options(storage_option), _flink_cli.remap_pairs(remap)
+        )
+    )
 
 
 def verify_command(
-    pointer: _Pointer, json_output: JsonOption = False, storage_option: StorageOption = None
+    pointer: _Pointer,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+    remap: _flink_cli.RemapOption = None,
 ) -> None:
     """Read every state file and check sizes and checksums.
 
@@ -1486,7 +1511,11 @@ def verify_command(
     each missing, corrupt or unreadable file; 4 if _metadata itself is invalid. JSON keys:
     pointer, checkpoint_id, ok, handles_checked, bytes_read, problems (path, kind, reason).
     """
-    run_command(lambda: _verify(pointer, json_output, storage_options(storage_option)))
+    run_command(
+        lambda: _verify(
+            pointer, json_output, storage_options(storage_option), _flink_cli.remap_pairs(remap)
+        )
+    )
 
 
 def latest_command(
@@ -1694,6 +1723,8 @@ def build_app(*, plugins: bool = True) -> typer.Typer:
         ("gc", gc_command),
         ("dispose-savepoint", dispose_command),
         ("copy-savepoint", copy_command),
+        ("orphans", _flink_cli.orphans_command),
+        ("read-flink", _flink_cli.read_command),
     ]
     for name, function in commands:
         app.command(name, help=_help(function), epilog=EPILOG)(function)

@@ -1,0 +1,681 @@
+"""The ``checkpoints`` commands on Apache Flink's directories: ``list``, ``inspect`` and
+``verify`` of Flink checkpoints and savepoints (reached through small hooks in the CLI), and
+the ``orphans`` and ``read`` commands.
+
+Kept apart from the CLI module so the hooks are a few lines each: "if this is Flink's,
+answer with ``flink_inspect``", etc. Paths Flink wrote on another machine are read through
+``--remap OLD=NEW`` (repeatable).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import sys
+from datetime import UTC, datetime
+from typing import Annotated
+
+import typer
+
+from checkpoint_storage._filesystems import format_age, format_size, to_url, url_to_fs
+from checkpoint_storage._flink_metadata import (
+    FlinkCheckpointMetadata,
+    FlinkStreamHandle,
+    is_flink_metadata,
+    parse_remap,
+)
+from checkpoint_storage._flink_orphans import (
+    METADATA,
+    OrphanReport,
+    _checkpoint_dirs,
+    delete_orphans,
+    find_orphans,
+    is_flink_checkpoint,
+    read_flink_checkpoint,
+    verify_flink_checkpoint,
+)
+from checkpoint_storage._flink_state import read_heap_value_rows
+from checkpoint_storage._ids import checkpoint_directory_id
+from checkpoint_storage.exceptions import CheckpointStorageError
+
+
+class _CliModule:
+    """The CLI module, imported on first use: it imports this module for its hooks (also
+    when run as ``python -m``), so this one cannot import it while being imported."""
+
+    def __getattr__(self, name: str):
+        from checkpoint_storage import cli as module
+
+        return getattr(module, name)
+
+
+cli = _CliModule()
+
+DEFAULT_GRACE = "1h"  # as gc's; not read from the CLI module, which imports this one
+
+RemapOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--remap",
+        metavar="OLD=NEW",
+        help="read the absolute paths Flink wrote below OLD (on another machine) below NEW "
+        "(repeatable; file: URLs and plain paths alike)",
+        show_default=False,
+    ),
+]
+
+
+def remap_pairs(remap: list[str] | None) -> tuple[tuple[str, str], ...]:
+    try:
+        return parse_remap(remap or ())
+    except ValueError as exc:
+        raise cli.UsageError(str(exc)) from None
+
+
+# --- hooks -------------------------------------------------------------------------------
+
+
+def is_flink_pointer(pointer: str, options: dict) -> bool:
+    """Whether POINTER (a checkpoint/savepoint directory or its `_metadata`) is Flink's."""
+    try:
+        return is_flink_checkpoint(pointer, options)
+    except (OSError, ValueError):
+        return False
+
+
+def flink_directories(directory: str, options: dict) -> list[str] | None:
+    """The checkpoint/savepoint directories at or below DIR when every `_metadata` there is
+    Flink's (None when there is none, or one of this library's: ``list`` shows those)."""
+    fs, path = url_to_fs(directory, options)
+    found = _checkpoint_dirs(fs, path, depth=3)
+    if not found:
+        return None
+    for pointer in found:
+        try:
+            with fs.open(posixpath.join(pointer, METADATA), "rb") as f:
+                if not is_flink_metadata(f.read(4)):
+                    return None
+        except OSError:
+            continue
+    return [to_url(fs, p) for p in found]
+
+
+# --- list --------------------------------------------------------------------------------
+
+
+def _summary(pointer: str, m: FlinkCheckpointMetadata, options: dict) -> dict:
+    files = m.referenced_files()
+    return {
+        "pointer": pointer,
+        "format": "Apache Flink",
+        "format_version": m.version,
+        "checkpoint_id": m.checkpoint_id,
+        "kind": m.kind,
+        "type": m.properties.type_name if m.properties else None,
+        "savepoint_format": m.properties.format_type if m.properties else None,
+        "status": "completed",
+        "reason": None,
+        "operators": len(m.operators),
+        "subtasks": sum(len(op.subtasks) for op in m.operators),
+        "inline_bytes": m.inline_bytes(),
+        "file_bytes": sum(r.needed_bytes for r in files.values()),
+        "files": len(files),
+        "metadata_bytes": m.metadata_size,
+    }
+
+
+def flink_list(directories: list[str], as_json: bool, options: dict, remap) -> int:
+    rows = []
+    for pointer in directories:
+        try:
+            rows.append(_summary(pointer, read_flink_checkpoint(pointer, options, remap), options))
+        except (CheckpointStorageError, OSError, ValueError) as exc:
+            rows.append(
+                {
+                    "pointer": pointer,
+                    "format": "Apache Flink",
+                    "checkpoint_id": checkpoint_directory_id(posixpath.basename(pointer)),
+                    "kind": "unknown",
+                    "status": "invalid",
+                    "reason": str(exc),
+                }
+            )
+    # By directory (a job's checkpoints, then savepoints), then id.
+    rows.sort(key=lambda row: (posixpath.dirname(row["pointer"]), row.get("checkpoint_id") or 0))
+    if as_json:
+        cli.print_json(rows)
+        return cli.EXIT_OK
+    table = cli.new_table(
+        "ID", "KIND", "TYPE", "OPERATORS", "FILES", "IN FILES", "INLINE", "POINTER",
+        right={"ID", "OPERATORS", "FILES", "IN FILES", "INLINE"},
+        fold={"POINTER"},
+    )  # fmt: skip
+    for row in rows:
+        if row["status"] != "completed":
+            table.add_row("-", "invalid", "-", "-", "-", "-", "-", row["pointer"])
+            continue
+        kind = row["kind"] + (
+            f" ({row['savepoint_format'].lower()})" if row["savepoint_format"] else ""
+        )
+        table.add_row(
+            str(row["checkpoint_id"]),
+            kind,
+            row["type"] or "-",
+            str(row["operators"]),
+            str(row["files"]),
+            format_size(row["file_bytes"]),
+            format_size(row["inline_bytes"]),
+            row["pointer"],
+        )
+    cli.echo("Apache Flink checkpoints and savepoints")
+    cli.print_table(table)
+    for row in rows:
+        if row["status"] != "completed":
+            cli.echo(f"invalid: {row['pointer']}: {row['reason']}")
+    return cli.EXIT_OK
+
+
+# --- inspect -----------------------------------------------------------------------------
+
+
+def _stream_json(h: FlinkStreamHandle | None, exists: dict[str, int | None]) -> dict | None:
+    if h is None:
+        return None
+    doc = {"type": h.type_name, "tag": h.tag, "size": h.size, "inline": h.inline}
+    if h.inline:
+        doc["name"] = h.name
+    if h.path is not None:
+        doc["path"] = h.path
+        doc["written_path"] = h.written_path or h.relative_path
+        doc["file_size"] = exists.get(h.path)
+        doc["missing"] = exists.get(h.path) is None
+    if h.tag == 15:
+        doc.update(start=h.start, scope=h.scope, logical_file_id=h.logical_file_id)
+    return doc
+
+
+def _handle_json(handle, exists) -> dict | None:
+    if handle is None:
+        return None
+    doc: dict = {"type": handle.type_name, "tag": handle.tag}
+    if hasattr(handle, "key_groups"):
+        doc["key_groups"] = list(handle.key_groups)
+        if handle.checkpoint_id is None:
+            doc["offsets"] = list(handle.offsets)
+            doc["delegate"] = _stream_json(handle.delegate, exists)
+        else:
+            doc.update(
+                checkpoint_id=handle.checkpoint_id,
+                backend_id=handle.backend_id,
+                checkpointed_size=handle.checkpointed_size,
+                meta=_stream_json(handle.meta, exists),
+                shared=[
+                    {"local_path": p, "handle": _stream_json(h, exists)} for p, h in handle.shared
+                ],
+                private=[
+                    {"local_path": p, "handle": _stream_json(h, exists)} for p, h in handle.private
+                ],
+            )
+        doc["state_handle_id"] = handle.state_handle_id
+    else:
+        doc["states"] = [
+            {"name": n, "mode": mode, "offsets": list(o)} for n, mode, o in handle.states
+        ]
+        doc["delegate"] = _stream_json(handle.delegate, exists)
+        if handle.tag == 17:
+            doc.update(
+                task_owned_dir=handle.task_owned_dir,
+                shared_dir=handle.shared_dir,
+                empty=handle.empty,
+            )
+    return doc
+
+
+def _file_sizes(m: FlinkCheckpointMetadata, options: dict) -> dict[str, int | None]:
+    fs, _ = url_to_fs(m.directory, options)
+    sizes: dict[str, int | None] = {}
+    for path in m.referenced_files():
+        try:
+            sizes[path] = fs.size(url_to_fs(path, options)[1] if "://" in path else path)
+        except OSError:
+            sizes[path] = None
+    return sizes
+
+
+def flink_document(m: FlinkCheckpointMetadata, options: dict) -> dict:
+    sizes = _file_sizes(m, options)
+    doc = _summary(m.directory, m, options)
+    doc["properties"] = (
+        None
+        if m.properties is None
+        else {
+            "kind": m.properties.kind,
+            "type": m.properties.type_name,
+            "format_type": m.properties.format_type,
+            "post_checkpoint_action": m.properties.post_checkpoint_action,
+            "sharing_files_strategy": m.properties.sharing_files_strategy,
+            **m.properties.flags,
+        }
+    )
+    doc["master_states"] = [
+        {"name": s.name, "version": s.version, "size": len(s.data)} for s in m.master_states
+    ]
+    doc["operators"] = [
+        {
+            "operator_id": op.operator_id,
+            "name": op.name,
+            "uid": op.uid,
+            "parallelism": op.parallelism,
+            "max_parallelism": op.max_parallelism,
+            "fully_finished": op.fully_finished,
+            "coordinator_state": _stream_json(op.coordinator_state, sizes),
+            "subtasks": [
+                {
+                    "index": s.index,
+                    "finished": s.finished,
+                    "managed_operator_state": _handle_json(s.managed_operator_state, sizes),
+                    "raw_operator_state": _handle_json(s.raw_operator_state, sizes),
+                    "managed_keyed_state": _handle_json(s.managed_keyed_state, sizes),
+                    "raw_keyed_state": _handle_json(s.raw_keyed_state, sizes),
+                }
+                for s in op.subtasks
+            ],
+        }
+        for op in m.operators
+    ]
+    doc["referenced_files"] = [
+        {
+            "path": path,
+            "needed_bytes": ref.needed_bytes,
+            "handle_size": ref.whole_file_size,
+            "file_size": sizes[path],
+            "missing": sizes[path] is None,
+            "handles": ref.handles,
+        }
+        for path, ref in sorted(m.referenced_files().items())
+    ]
+    doc["missing_files"] = sorted(p for p, size in sizes.items() if size is None)
+    return doc
+
+
+def _where(h: FlinkStreamHandle, directory: str) -> str:
+    if h.inline:
+        return "inline"
+    if h.path is None:
+        return "(empty segment)"
+    prefix = directory.rstrip("/") + "/"
+    where = h.path[len(prefix) :] if h.path.startswith(prefix) else h.path
+    return f"{where} @{h.start}" if h.tag == 15 else where
+
+
+def flink_inspect(pointer: str, as_json: bool, options: dict, remap) -> int:
+    m = read_flink_checkpoint(pointer, options, remap)
+    doc = flink_document(m, options)
+    if as_json:
+        cli.print_json(doc)
+        return cli.EXIT_OK
+    props = m.properties
+    header = [
+        ("pointer", m.directory),
+        ("written by", f"Apache Flink (metadata format version {m.version})"),
+        ("checkpoint id", str(m.checkpoint_id)),
+        ("kind", m.kind if props is None else f"{m.kind}: {props.type_name}"),
+    ]
+    if props is not None and props.format_type:
+        header.append(("savepoint format", props.format_type))
+    header += [
+        ("master states", ", ".join(s.name for s in m.master_states) or "none"),
+        ("_metadata", format_size(m.metadata_size)),
+        ("state inline", format_size(doc["inline_bytes"])),
+        ("state in files", f"{format_size(doc['file_bytes'])} in {doc['files']} files"),
+    ]
+    width = max(len(k) for k, _ in header)
+    for key, value in header:
+        cli.echo(f"{key + ':':<{width + 1}} {value}")
+    cli.echo()
+    ops = cli.new_table(
+        "OPERATOR", "UID", "ID", "PARALLELISM", "MAX", "SUBTASKS",
+        right={"PARALLELISM", "MAX", "SUBTASKS"},
+    )  # fmt: skip
+    for op in m.operators:
+        ops.add_row(
+            op.name or "-",
+            op.uid or "-",
+            op.operator_id,
+            str(op.parallelism),
+            str(op.max_parallelism),
+            "finished" if op.fully_finished else str(len(op.subtasks)),
+        )
+    cli.print_table(ops)
+    cli.echo()
+    handles = cli.new_table(
+        "OPERATOR", "SUBTASK", "STATE", "HANDLE", "KEY GROUPS", "FILE", "SIZE",
+        right={"SUBTASK", "SIZE"},
+        fold={"FILE"},
+    )  # fmt: skip
+    for op in m.operators:
+        for s in op.subtasks:
+            for label, handle in (
+                ("managed operator", s.managed_operator_state),
+                ("raw operator", s.raw_operator_state),
+                ("managed keyed", s.managed_keyed_state),
+                ("raw keyed", s.raw_keyed_state),
+            ):
+                if handle is None:
+                    continue
+                kg = getattr(handle, "key_groups", None)
+                kg_text = f"{kg[0]}-{kg[1]}" if kg else ""
+                for stream in handle.stream_handles():
+                    handles.add_row(
+                        op.name or op.operator_id,
+                        str(s.index),
+                        label,
+                        f"{handle.type_name} / {stream.type_name}",
+                        kg_text,
+                        _where(stream, m.directory),
+                        format_size(stream.size),
+                    )
+    cli.print_table(handles)
+    for path in doc["missing_files"]:
+        cli.echo(f"missing: {path}")
+    return cli.EXIT_OK
+
+
+# --- verify ------------------------------------------------------------------------------
+
+
+def flink_verify(pointer: str, as_json: bool, options: dict, remap) -> int:
+    report = verify_flink_checkpoint(pointer, options, remap)
+    if as_json:
+        cli.print_json(
+            {
+                "pointer": report.pointer,
+                "format": "Apache Flink",
+                "checkpoint_id": report.checkpoint_id,
+                "ok": report.ok,
+                "files_checked": report.files_checked,
+                "bytes_in_files": report.bytes_in_files,
+                "inline_bytes": report.inline_bytes,
+                "problems": [
+                    {"path": p.path, "kind": p.kind, "reason": p.reason} for p in report.problems
+                ],
+            }
+        )
+    else:
+        verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+        cli.echo(
+            f"{report.pointer}: Apache Flink checkpoint {report.checkpoint_id}, "
+            f"{report.files_checked} files ({format_size(report.bytes_in_files)}), "
+            f"{format_size(report.inline_bytes)} inline: {verdict}"
+        )
+        for p in report.problems:
+            cli.echo(f"{p.kind}: {p.reason}")
+        if any(p.kind == "missing" for p in report.problems) and not remap:
+            cli.echo("if Flink wrote these paths on another machine, map them with --remap OLD=NEW")
+    if report.ok:
+        return cli.EXIT_OK
+    cli._error(
+        f"verification of {report.pointer} found {len(report.problems)} problem(s); "
+        f"first: {report.problems[0].reason}"
+    )
+    return cli.EXIT_PROBLEMS
+
+
+# --- orphans -----------------------------------------------------------------------------
+
+
+def _orphans_json(report: OrphanReport, now: datetime) -> dict:
+    def age(moment):
+        return None if moment is None else round((now - moment).total_seconds(), 3)
+
+    return {
+        "job_dir": report.job_dir,
+        "listed_at": report.listed_at.isoformat(),
+        "retained": [
+            {"pointer": c.pointer, "checkpoint_id": c.checkpoint_id, "writer": c.writer}
+            for c in report.retained
+        ],
+        "unreadable": [{"pointer": u.pointer, "reason": u.reason} for u in report.unreadable],
+        "incomplete": list(report.incomplete),
+        "orphans": [
+            {
+                "path": o.path,
+                "size": o.size,
+                "modified": None if o.modified is None else o.modified.isoformat(),
+                "age_seconds": age(o.modified),
+            }
+            for o in report.orphans
+        ],
+        "orphan_bytes": report.orphan_bytes,
+        "referenced_inside": report.referenced_inside,
+        "external": [
+            {
+                "path": e.path,
+                "size": e.size,
+                "missing": e.missing,
+                "checkpoint_ids": list(e.checkpoint_ids),
+            }
+            for e in report.external
+        ],
+        "protected_by_others": list(report.protected_by_others),
+    }
+
+
+def _confirmed(report: OrphanReport, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise cli.UsageError("--delete needs confirmation: add --yes (no terminal to ask on)")
+    answer = input(
+        f"delete {len(report.orphans)} orphan file(s), {format_size(report.orphan_bytes)} "
+        f"(older than the grace period) under {report.job_dir}? type 'yes': "
+    )
+    return answer.strip().lower() == "yes"
+
+
+def _orphans(
+    job_dir: str,
+    as_json: bool,
+    options: dict,
+    remap,
+    *,
+    also: list[str],
+    delete: bool,
+    yes: bool,
+    grace: str,
+) -> int:
+    directory = cli.location(job_dir)
+    grace_period = cli.parse_duration(grace)
+    others = [cli.location(d) for d in also]
+    report = find_orphans(
+        directory, storage_options=options, remap=remap, also_referenced_by=others
+    )
+    now = datetime.now(UTC)
+    doc = _orphans_json(report, now)
+    if not as_json:
+        retained = ", ".join(f"{c.checkpoint_id}" for c in report.retained) or "none"
+        cli.echo(f"{report.job_dir}: retained checkpoints {retained}")
+        table = cli.new_table("ORPHAN", "SIZE", "AGE", right={"SIZE", "AGE"}, fold={"ORPHAN"})
+        for o in report.orphans:
+            table.add_row(o.path, format_size(o.size), format_age(o.age(now), compact=True))
+        if report.orphans:
+            cli.print_table(table)
+        cli.echo(
+            f"{len(report.orphans)} orphan file(s), {format_size(report.orphan_bytes)}; "
+            f"{report.referenced_inside} referenced file(s) inside the job directory"
+        )
+        if report.external:
+            cli.echo(f"referenced outside {report.job_dir} (kept there):")
+            ext = cli.new_table("FILE", "SIZE", "CHECKPOINTS", right={"SIZE"}, fold={"FILE"})
+            for e in report.external:
+                size = "MISSING" if e.missing else format_size(e.size)
+                ext.add_row(e.path, size, ",".join(map(str, e.checkpoint_ids)))
+            cli.print_table(ext)
+        for path in report.protected_by_others:
+            cli.echo(f"kept (referenced by --also-referenced-by): {path}")
+        for u in report.unreadable:
+            cli.echo(f"unreadable (kept, blocks deletion): {u.pointer}: {u.reason}")
+        for p in report.incomplete:
+            cli.echo(f"no _metadata (in progress or failed; its files are in the grace): {p}")
+    if not delete:
+        if as_json:
+            cli.print_json({**doc, "deleted": [], "dry_run": True})
+        return cli.EXIT_INVALID if report.unreadable else cli.EXIT_OK
+    if not report.orphans:
+        if as_json:
+            cli.print_json({**doc, "deleted": [], "dry_run": False})
+        return cli.EXIT_OK
+    if not _confirmed(report, yes):
+        cli.echo("nothing deleted")
+        return cli.EXIT_OK
+    result = delete_orphans(
+        report, confirm=True, grace_period=grace_period, storage_options=options
+    )
+    if as_json:
+        cli.print_json(
+            {
+                **doc,
+                "dry_run": False,
+                "deleted": list(result.deleted),
+                "bytes_deleted": result.bytes_deleted,
+                "kept_young": list(result.kept_young),
+                "kept_referenced": list(result.kept_referenced),
+                "failed": [{"path": p, "reason": r} for p, r in result.failed],
+            }
+        )
+    else:
+        cli.echo(
+            f"deleted {len(result.deleted)} file(s), {format_size(result.bytes_deleted)}; "
+            f"kept {len(result.kept_young)} younger than {grace}"
+        )
+        for path, reason in result.failed:
+            cli.echo(f"not deleted: {path}: {reason}")
+    return cli.EXIT_PROBLEMS if result.failed else cli.EXIT_OK
+
+
+def orphans_command(
+    job_dir: Annotated[str, typer.Argument(metavar="JOB_DIR", show_default=False)],
+    delete: Annotated[
+        bool, typer.Option("--delete", help="delete the orphans (asks first, unless --yes)")
+    ] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="confirm --delete without asking")] = False,
+    grace: Annotated[
+        str,
+        typer.Option(
+            "--grace",
+            metavar="DURATION",
+            help="never delete a file younger than this (e.g. 30m, 1h, 2d); must exceed the "
+            "longest checkpoint's duration",
+        ),
+    ] = DEFAULT_GRACE,
+    also_referenced_by: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--also-referenced-by",
+            metavar="DIR",
+            help="another job directory (or savepoint directory) whose checkpoints may "
+            "reference files here, e.g. a job restored from this one in CLAIM mode "
+            "(repeatable): what they reference is never deleted",
+            show_default=False,
+        ),
+    ] = None,
+    remap: RemapOption = None,
+    json_output: cli.JsonOption = False,
+    storage_option: cli.StorageOption = None,
+) -> None:
+    """Files of a job directory that no retained checkpoint references.
+
+    Lists the files under JOB_DIR/shared/ and JOB_DIR/taskowned/ (Apache Flink's or this
+    library's job directory) that no retained checkpoint (chk-<id> with a _metadata)
+    references, with sizes and ages, and the files its checkpoints reference outside
+    JOB_DIR (another job's shared/, as after a restore in CLAIM mode). Deletes nothing
+    unless --delete (confirmed interactively or with --yes); then lists again first and
+    refuses if the retained checkpoints changed, skips files younger than --grace, and
+    never deletes what a checkpoint under --also-referenced-by references. A _metadata
+    that cannot be read is reported, blocks deletion and exits 4. JSON keys: job_dir,
+    listed_at, retained, unreadable, incomplete, orphans (path, size, modified,
+    age_seconds), orphan_bytes, referenced_inside, external (path, size, missing,
+    checkpoint_ids), protected_by_others, dry_run, deleted.
+    """
+    cli.run_command(
+        lambda: _orphans(
+            job_dir,
+            json_output,
+            cli.storage_options(storage_option),
+            remap_pairs(remap),
+            also=also_referenced_by or [],
+            delete=delete,
+            yes=yes,
+            grace=grace,
+        )
+    )
+
+
+# --- read --------------------------------------------------------------------------------
+
+
+def _read(
+    pointer: str, as_json: bool, options: dict, remap, operator: str | None, python_type
+) -> int:
+    m = read_flink_checkpoint(cli.location(pointer), options, remap)
+    result = read_heap_value_rows(m, options, operator=operator, python_value_type=python_type)
+    if as_json:
+        cli.print_json(
+            {
+                "pointer": m.directory,
+                "operator": result.operator,
+                "states": result.states,
+                "rows": [
+                    {"key_group": r.key_group, "state": r.state, "key": r.key, "value": r.value}
+                    for r in result.rows
+                ],
+            }
+        )
+        return cli.EXIT_OK
+    table = cli.new_table("KEY GROUP", "STATE", "KEY", "VALUE", right={"KEY GROUP"})
+    for r in result.rows:
+        table.add_row(str(r.key_group), r.state, repr(r.key), repr(r.value))
+    cli.print_table(table)
+    cli.echo(f"{len(result.rows)} row(s) of operator {result.operator}")
+    return cli.EXIT_OK
+
+
+def read_command(
+    pointer: Annotated[str, typer.Argument(metavar="POINTER", show_default=False)],
+    operator: Annotated[
+        str | None,
+        typer.Option("--operator", help="operator uid, name or id (default: the only keyed one)"),
+    ] = None,
+    python_value_type: Annotated[
+        str | None,
+        typer.Option(
+            "--python-value-type",
+            metavar="TYPE",
+            help="decode PyFlink state values as long, int, double or boolean (default: hex)",
+        ),
+    ] = None,
+    remap: RemapOption = None,
+    json_output: cli.JsonOption = False,
+    storage_option: cli.StorageOption = None,
+) -> None:
+    """Keyed ValueState rows of a Flink canonical savepoint.
+
+    Prints the ValueState rows (key group, state, key, value) of an operator of the Apache
+    Flink canonical savepoint POINTER (heap or RocksDB backend: the layout is the same),
+    where keys and values use Flink's primitive serializers (int, long, short, byte,
+    boolean, float, double, char, String; Rows of them as keys). PyFlink's states are
+    read too: their values are the bytes PyFlink's coder wrote, printed as hex or decoded
+    with --python-value-type. Checkpoints and native savepoints, list/map state of Java
+    types, windows, TTL, compressed key groups and POJO/Kryo/Avro types are not supported
+    and are refused naming what was found (exit 4). JSON keys: pointer, operator, states,
+    rows (key_group, state, key, value).
+    """
+    cli.run_command(
+        lambda: _read(
+            pointer,
+            json_output,
+            cli.storage_options(storage_option),
+            remap_pairs(remap),
+            operator,
+            python_value_type,
+        )
+    )

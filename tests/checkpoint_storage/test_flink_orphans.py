@@ -181,3 +181,28 @@ def test_verify_names_a_truncated_and_a_missing_file(scratch: Path) -> None:
         (str(victim), "corrupt"),
         (str(gone), "missing"),
     }
+
+
+def test_orphans_of_this_librarys_job_directory(tmp_path: Path) -> None:
+    """`find_orphans` reads this library's `_metadata` too: a shared file of a retained
+    checkpoint is referenced, one an aborted checkpoint left is an orphan."""
+    from checkpoint_storage import FileSystemCheckpointStorage, JobID
+    from tests.support import SHARED, finalize, metadata, payload, write_state
+
+    storage = FileSystemCheckpointStorage(
+        str(tmp_path / "cp"), str(tmp_path / "sp"), file_state_size_threshold=16
+    )
+    access = storage.create_checkpoint_storage(JobID.generate())
+    access.initialize_base_locations()
+    loc1 = access.initialize_location_for_checkpoint(1)
+    kept = write_state(loc1, payload(100, 1), SHARED)
+    finalize(loc1, metadata(1, [kept]))
+    loc2 = access.initialize_location_for_checkpoint(2)  # aborted: no _metadata
+    lost = write_state(loc2, payload(100, 2), SHARED)
+
+    report = find_orphans(access.checkpoints_directory)
+
+    assert [(c.checkpoint_id, c.writer) for c in report.retained] == [(1, "this library")]
+    assert [o.path for o in report.orphans] == [lost.path]
+    assert report.referenced_inside == 1 and not report.external
+    assert report.incomplete == (f"{access.checkpoints_directory}/chk-2",)

@@ -16,17 +16,14 @@ from typing import Annotated
 
 import typer
 
-from checkpoint_storage._filesystems import format_age, format_size, to_url, url_to_fs
+from checkpoint_storage._filesystems import format_age, format_size, url_to_fs
 from checkpoint_storage._flink_metadata import (
     FlinkCheckpointMetadata,
     FlinkStreamHandle,
-    is_flink_metadata,
     parse_remap,
 )
 from checkpoint_storage._flink_orphans import (
-    METADATA,
     OrphanReport,
-    _checkpoint_dirs,
     delete_orphans,
     find_orphans,
     is_flink_checkpoint,
@@ -80,23 +77,6 @@ def is_flink_pointer(pointer: str, options: dict) -> bool:
         return is_flink_checkpoint(pointer, options)
     except (OSError, ValueError):
         return False
-
-
-def flink_directories(directory: str, options: dict) -> list[str] | None:
-    """The checkpoint/savepoint directories at or below DIR when every `_metadata` there is
-    Flink's (None when there is none, or one of this library's: ``list`` shows those)."""
-    fs, path = url_to_fs(directory, options)
-    found = _checkpoint_dirs(fs, path, depth=3)
-    if not found:
-        return None
-    for pointer in found:
-        try:
-            with fs.open(posixpath.join(pointer, METADATA), "rb") as f:
-                if not is_flink_metadata(f.read(4)):
-                    return None
-        except OSError:
-            continue
-    return [to_url(fs, p) for p in found]
 
 
 # --- list --------------------------------------------------------------------------------

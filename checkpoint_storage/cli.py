@@ -824,10 +824,9 @@ def _info_json(info: CheckpointInfo, now: datetime) -> dict:
 
 def _list(directory_arg: str, as_json: bool, options: dict, remap=()) -> int:
     directory = location(directory_arg)
-    flink = _flink_cli.flink_directories(directory, options)
-    if flink:  # only Apache Flink's checkpoints there
-        return _flink_cli.flink_list(flink, as_json, options, remap)
     infos = _list_below(directory, options)
+    if infos and all(i.kind == "flink" for i in infos):  # only Apache Flink's: read them
+        return _flink_cli.flink_list([i.pointer for i in infos], as_json, options, remap)
     now = datetime.now(UTC)
     if as_json:
         print_json([_info_json(i, now) for i in infos])

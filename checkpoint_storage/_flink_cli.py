@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from checkpoint_storage._filesystems import format_age, format_size, url_to_fs
+from checkpoint_storage._filesystems import format_age, format_size
 from checkpoint_storage._flink_metadata import (
     FlinkCheckpointMetadata,
     FlinkStreamHandle,
@@ -25,6 +25,7 @@ from checkpoint_storage._flink_metadata import (
 from checkpoint_storage._flink_orphans import (
     OrphanReport,
     delete_orphans,
+    file_size,
     find_orphans,
     is_flink_checkpoint,
     read_flink_checkpoint,
@@ -211,11 +212,10 @@ def _handle_json(handle, exists) -> dict | None:
 
 
 def _file_sizes(m: FlinkCheckpointMetadata, options: dict) -> dict[str, int | None]:
-    fs, _ = url_to_fs(m.directory, options)
     sizes: dict[str, int | None] = {}
     for path in m.referenced_files():
         try:
-            sizes[path] = fs.size(url_to_fs(path, options)[1] if "://" in path else path)
+            sizes[path] = file_size(path, options)
         except OSError:
             sizes[path] = None
     return sizes

@@ -133,9 +133,8 @@ def verify_flink_checkpoint(
     problems = []
     total = 0
     for path, ref in sorted(metadata.referenced_files().items()):
-        fs_path = url_to_fs(path, storage_options)[1] if "://" in path else path
         try:
-            actual = fs.size(fs_path)
+            actual = file_size(path, storage_options)
         except FileNotFoundError:
             problems.append(FlinkFileProblem(path, "missing", f"{path} is referenced but missing"))
             continue
@@ -160,6 +159,13 @@ def verify_flink_checkpoint(
         metadata.inline_bytes(),
         tuple(problems),
     )
+
+
+def file_size(path: str, storage_options: dict | None = None) -> int:
+    """The size of a referenced file, on the filesystem its own URL names (a checkpoint may
+    reference files on another filesystem than its `_metadata`'s)."""
+    fs, fs_path = url_to_fs(path, storage_options)
+    return fs.size(fs_path)
 
 
 def _key_group_ends(metadata: FlinkCheckpointMetadata) -> dict[str, int]:
@@ -363,7 +369,7 @@ def find_orphans(
         if path == job_url or path.startswith(job_url.rstrip("/") + "/"):
             continue
         try:
-            size = fs.size(url_to_fs(path, storage_options)[1])
+            size = file_size(path, storage_options)
         except (FileNotFoundError, OSError):
             size = None
         external.append(ExternalReference(path, size, tuple(sorted(set(ids)))))

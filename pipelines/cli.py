@@ -23,12 +23,7 @@ import pyarrow.parquet as pq
 import typer
 from rich.text import Text
 
-from checkpoint_storage import (
-    SOURCE_POSITION_STATE,
-    CheckpointNotFoundError,
-    list_checkpoints,
-    url_to_fs,
-)
+from checkpoint_storage import CheckpointNotFoundError, list_checkpoints, url_to_fs
 from checkpoint_storage.cli import (
     StorageOption,
     UsageError,
@@ -39,6 +34,7 @@ from checkpoint_storage.cli import (
     run_command,
     storage_options,
 )
+from checkpoint_storage.spi import SOURCE_POSITION_STATE
 from pipelines.runner import SourcePosition
 from pipelines.state_reader import PipelineSnapshot, open_snapshot
 

@@ -35,8 +35,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from pipelines import Stage
-from pipelines.keyed import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
+from pipelines import KeyedResult, KeyedStage, Stage, StateTtl, TtlTimeCharacteristic
 
 __all__ = [
     "DEDUPE_KEYED",

@@ -14,11 +14,15 @@ from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
 from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
 from pipelines.keyed import (
     DEFAULT_MAX_PARALLELISM,
+    Aggregate,
+    Aggregates,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
+    agg,
+    aggregate_stage,
 )
 from pipelines.runner import (
     PIPELINE_NAME_STATE,
@@ -65,6 +69,8 @@ __all__ = [
     "SCHEDULED_SAVEPOINTS",
     "SOURCE",
     "STATE_FORMATS",
+    "Aggregate",
+    "Aggregates",
     "BatchListChangedError",
     "CheckpointDataSource",
     "CheckpointSummary",
@@ -96,6 +102,8 @@ __all__ = [
     "StatefulRunner",
     "TtlTimeCharacteristic",
     "UnknownStageError",
+    "agg",
+    "aggregate_stage",
     "arrow_schema",
     "batches_digest",
     "check_claim",

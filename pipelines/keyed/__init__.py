@@ -9,6 +9,7 @@ vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
 See docs/design.md, "Keyed state".
 """
 
+from pipelines.keyed._aggregates import Aggregate, Aggregates, agg, aggregate_stage
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -80,6 +81,8 @@ __all__ = [
     "KEY_HASH",
     "OPERATOR_INDEX",
     "UPPER_BOUND_MAX_PARALLELISM",
+    "Aggregate",
+    "Aggregates",
     "ArrowKeyedStateStore",
     "ChainRef",
     "KeyedBatch",
@@ -98,6 +101,8 @@ __all__ = [
     "MaterialisationPolicy",
     "StateTtl",
     "TtlTimeCharacteristic",
+    "agg",
+    "aggregate_stage",
     "apply_keyed_batch",
     "assign_key_groups",
     "chain_version",

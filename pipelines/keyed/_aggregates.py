@@ -1,6 +1,7 @@
 """Declarative aggregates: count, sum, min, max and first/last by an ordering column, per key,
 as a keyed stage whose ``apply`` is vectorised Arrow (one group-by over the batch, one join
-with the state of the batch's keys; no Python loop per key).
+with the state of the batch's keys; first/last add a sort, a group-by and a join per ``by``
+column; no Python loop per key).
 
 The functions mirror Spark's ``pyspark.sql.functions`` (``agg.count()``, ``agg.sum("x")``;
 ``agg.first``/``agg.last`` with ``by=`` are Spark's ``min_by``/``max_by``) and are combined
@@ -308,7 +309,7 @@ class Aggregates:
             f"{self.where}: {name} = {self.aggregates[name]!r} does not fit "
             f"{self.state_schema.field(name).type} ({exc}); nothing of this batch was "
             "applied. Give the sum a wider type=, e.g. agg.sum(..., type=pa.decimal128(38, "
-            "2)) (a new state schema: restore from a savepoint of the old one is refused)")
+            "2)); the state schema changes with it")
 
 
 def _summable(rows: pa.Table, aggregate: Aggregate, name: str) -> tuple[pa.Table, str]:

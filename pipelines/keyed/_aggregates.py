@@ -127,7 +127,8 @@ class Aggregates:
     State: the key (not null), one column per aggregate and, per first/last, the ``by`` value
     of the row it holds (``<name>_<by>``). Output (``emit``): ``"updated"``, the batch's keys'
     aggregates after the batch (Spark's update output mode); ``"batch"``, the aggregates of
-    the batch's rows alone (a ``groupBy().agg()`` of the batch)."""
+    the batch's rows alone (a ``groupBy().agg()`` of the batch). ``where``: what errors name
+    (``aggregate_stage`` passes the stage)."""
 
     key: tuple[str, ...]
     aggregates: Mapping[str, Aggregate]

@@ -14,15 +14,12 @@ from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
 from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
 from pipelines.keyed import (
     DEFAULT_MAX_PARALLELISM,
-    Aggregate,
-    Aggregates,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
     agg,
-    aggregate_stage,
 )
 from pipelines.runner import (
     PIPELINE_NAME_STATE,
@@ -69,8 +66,6 @@ __all__ = [
     "SCHEDULED_SAVEPOINTS",
     "SOURCE",
     "STATE_FORMATS",
-    "Aggregate",
-    "Aggregates",
     "BatchListChangedError",
     "CheckpointDataSource",
     "CheckpointSummary",
@@ -103,7 +98,6 @@ __all__ = [
     "TtlTimeCharacteristic",
     "UnknownStageError",
     "agg",
-    "aggregate_stage",
     "arrow_schema",
     "batches_digest",
     "check_claim",

@@ -9,7 +9,7 @@ vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
 See docs/design.md, "Keyed state".
 """
 
-from pipelines.keyed._aggregates import Aggregate, Aggregates, agg, aggregate_stage
+from pipelines.keyed._aggregates import Aggregate, Aggregates, agg
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -102,7 +102,6 @@ __all__ = [
     "StateTtl",
     "TtlTimeCharacteristic",
     "agg",
-    "aggregate_stage",
     "apply_keyed_batch",
     "assign_key_groups",
     "chain_version",

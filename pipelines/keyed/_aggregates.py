@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from pipelines.keyed._stage import RESERVED_PREFIX, KeyedResult, KeyedStage, StateTtl
 
-__all__ = ["Aggregate", "Aggregates", "agg", "aggregate_stage"]
+__all__ = ["Aggregate", "Aggregates", "agg"]
 
 _KINDS = ("count", "sum", "min", "max", "first", "last")
 _ROW = "_agg_row"
@@ -70,10 +70,14 @@ class Aggregate:
         return f"agg.{self.kind}({', '.join(args)})"
 
 
+Emit = Literal["updated", "batch"]
+
+
 class AggregateFunctions:
     """The aggregate functions, used as ``agg.count()``, ``agg.sum("amount")`` (as Spark's
-    ``F.count``, ``F.sum``). Nulls are skipped as SQL skips them: a sum, min or max of no
-    non-null value is null, ``count()`` counts rows and ``count(column)`` non-null values."""
+    ``F.count``, ``F.sum``), and ``agg.stage(...)``, a keyed stage of them. Nulls are skipped
+    as SQL skips them: a sum, min or max of no non-null value is null, ``count()`` counts rows
+    and ``count(column)`` non-null values."""
 
     @staticmethod
     def count(column: str | None = None) -> Aggregate:
@@ -111,11 +115,34 @@ class AggregateFunctions:
         return Aggregate("last", column, by=by)
 
 
-agg = AggregateFunctions()
-"""The aggregate functions: ``agg.count()``, ``agg.sum(c)``, ``agg.min(c)``, ``agg.max(c)``,
-``agg.first(c, by=t)``, ``agg.last(c, by=t)``."""
+    @staticmethod
+    def stage(name: str, key: str | Sequence[str], aggregates: Mapping[str, Aggregate],
+              input_schema: pa.Schema, *, ttl: StateTtl | None = None,
+              event_time: str | None = None, input: str | None = None,
+              emit: Emit = "updated") -> KeyedStage:
+        """A keyed stage of declarative aggregates per ``key`` (Spark's ``groupBy(key).agg(...)``
+        kept as state across batches)::
 
-Emit = Literal["updated", "batch"]
+            agg.stage("activity", key="user_id", input_schema=EVENTS, aggregates={
+                "clicks": agg.count(), "amount": agg.sum("amount"), "first_seen": agg.min("ts"),
+                "last_seen": agg.max("ts"), "last_url": agg.last("url", by="ts")},
+                event_time="ts", ttl=StateTtl(dt.timedelta(days=30), timestamp_column="last_seen"))
+
+        ``input_schema``: the input's key and aggregated columns (their types give the state's);
+        ``ttl``, ``event_time``, ``input``: as for ``KeyedStage`` (an event-time TTL's
+        ``timestamp_column`` names an aggregate, e.g. a max of the event time); ``emit``: see
+        ``Aggregates``. The stage's ``apply`` is ``Aggregates.apply``."""
+        where = f"aggregate stage {name}"
+        spec = Aggregates(key, aggregates, input_schema, emit=emit, where=where)
+        return KeyedStage(name, key=spec.key, state_schema=spec.state_schema, apply=spec.apply,
+                          ttl=ttl, input=input, output_schema=spec.output_schema,
+                          event_time=event_time)
+
+
+agg = AggregateFunctions()
+"""Declarative aggregates: ``agg.count()``, ``agg.sum(c)``, ``agg.min(c)``, ``agg.max(c)``,
+``agg.first(c, by=t)``, ``agg.last(c, by=t)``, and ``agg.stage(...)`` to make a keyed stage of
+them."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +155,7 @@ class Aggregates:
     of the row it holds (``<name>_<by>``). Output (``emit``): ``"updated"``, the batch's keys'
     aggregates after the batch (Spark's update output mode); ``"batch"``, the aggregates of
     the batch's rows alone (a ``groupBy().agg()`` of the batch). ``where``: what errors name
-    (``aggregate_stage`` passes the stage)."""
+    (``agg.stage`` passes the stage)."""
 
     key: tuple[str, ...]
     aggregates: Mapping[str, Aggregate]
@@ -357,27 +384,3 @@ def _orderable(kind: pa.DataType) -> bool:
     return (types.is_integer(kind) or types.is_floating(kind) or types.is_decimal(kind)
             or types.is_string(kind) or types.is_large_string(kind) or types.is_binary(kind)
             or types.is_large_binary(kind) or types.is_temporal(kind) or types.is_boolean(kind))
-
-
-def aggregate_stage(name: str, key: str | Sequence[str], aggregates: Mapping[str, Aggregate],
-                    input_schema: pa.Schema, *, ttl: StateTtl | None = None,
-                    event_time: str | None = None, input: str | None = None,
-                    emit: Emit = "updated") -> KeyedStage:
-    """A keyed stage of declarative aggregates per ``key`` (Spark's ``groupBy(key).agg(...)``
-    kept as state across batches)::
-
-        aggregate_stage("activity", key="user_id", input_schema=EVENTS, aggregates={
-            "clicks": agg.count(), "amount": agg.sum("amount"), "first_seen": agg.min("ts"),
-            "last_seen": agg.max("ts"), "last_url": agg.last("url", by="ts")},
-            event_time="ts", ttl=StateTtl(dt.timedelta(days=30), timestamp_column="last_seen"))
-
-    ``input_schema``: the input's key and aggregated columns (their types give the state's);
-    ``ttl``, ``event_time``, ``input``: as for ``KeyedStage`` (an event-time TTL's
-    ``timestamp_column`` names an aggregate, e.g. a max of the event time); ``emit``: see
-    ``Aggregates``. The stage's ``apply`` is ``Aggregates.apply``."""
-    where = f"aggregate stage {name}"
-    spec = Aggregates(key, aggregates, input_schema, emit=emit, where=where)
-    return KeyedStage(name, key=spec.key, state_schema=spec.state_schema, apply=spec.apply,
-                      ttl=ttl, input=input, output_schema=spec.output_schema,
-                      event_time=event_time)
-

@@ -1,4 +1,4 @@
-"""Declarative aggregates (``aggregate_stage``, ``agg``): against a plain-Python reference
+"""Declarative aggregates (``agg.stage``, ``agg``): against a plain-Python reference
 model over random batches with nulls, several batches and event-time expiry; their types,
 errors and reuse from a hand-written stage; and through the StatefulRunner on Spark with a
 checkpoint and a restore."""
@@ -29,7 +29,6 @@ from pipelines import (
     StatefulRunner,
     StateTtl,
     agg,
-    aggregate_stage,
 )
 from pipelines.keyed import Aggregate, Aggregates
 
@@ -161,8 +160,8 @@ def test_aggregates_equal_a_reference_model_over_batches(batches, with_ttl):
     equal the row-by-row model, batch by batch."""
     ttl = TTL if with_ttl else None
     options = {"ttl": ttl, "event_time": "ts"} if with_ttl else {}
-    updated = aggregate_stage("activity", "user", AGGREGATES, EVENTS, **options)
-    alone = aggregate_stage("activity", "user", AGGREGATES, EVENTS, emit="batch", **options)
+    updated = agg.stage("activity", "user", AGGREGATES, EVENTS, **options)
+    alone = agg.stage("activity", "user", AGGREGATES, EVENTS, emit="batch", **options)
     model = Model(ttl)
     state: dict[str, dict] = {}
     state_names = updated.state_schema.names
@@ -188,7 +187,7 @@ def test_ties_nulls_late_rows_and_expiry_on_a_fixed_run():
     not; with the TTL, rows behind the clock are dropped and a key whose ``last_seen`` is
     behind it expires while a key without any time never does."""
     blank = {"amount": None, "n": None, "url": None}
-    ties = aggregate_stage("ties", "user", AGGREGATES, EVENTS)
+    ties = agg.stage("ties", "user", AGGREGATES, EVENTS)
     state: dict[str, dict] = {}
     run_stage(ties, state, [blank | {"user": "u1", "ts": at(1), "url": "/a"},
                             blank | {"user": "u1", "ts": at(1), "url": "/b"},
@@ -199,7 +198,7 @@ def test_ties_nulls_late_rows_and_expiry_on_a_fixed_run():
         (after_first, (state["u1"]["first_url"], state["u1"]["last_url"])),
         tuple(state["u2"][n] for n in ("clicks", "urls", "amount", "n", "first_url")))
 
-    timed = aggregate_stage("timed", "user", AGGREGATES, EVENTS, ttl=TTL, event_time="ts")
+    timed = agg.stage("timed", "user", AGGREGATES, EVENTS, ttl=TTL, event_time="ts")
     model, state = Model(TTL), {}
     for batch in ([blank | {"user": "u1", "ts": at(1)}, blank | {"user": "u2", "ts": None}],
                   [blank | {"user": "u3", "ts": at(30)}, blank | {"user": "u1", "ts": at(2)}]):
@@ -218,7 +217,7 @@ def test_state_and_output_types_follow_sparks_rules():
     column's type; first/last keep their ``by`` value in the state only."""
     schema = EVENTS.append(pa.field("big", pa.decimal128(35, 4))).append(
         pa.field("small", pa.int16()))
-    stage = aggregate_stage("s", "user", {
+    stage = agg.stage("s", "user", {
         "c": agg.count(), "d": agg.sum("amount"), "b": agg.sum("big"), "i": agg.sum("small"),
         "t": agg.sum("amount", type=pa.decimal128(38, 2)), "m": agg.min("ts"),
         "l": agg.last("url", by="ts")}, schema)
@@ -235,7 +234,7 @@ def test_a_sum_that_overflows_its_type_fails_naming_the_stage_and_aggregate():
     """A decimal(22, 2) total past 20 integer digits, and an int64 sum past 2**63 inside one
     batch (Arrow's integer sums would wrap), fail the batch with the stage, the aggregate and
     what to do; a sum that fits is exact."""
-    stage = aggregate_stage("totals", "user", {"amount": agg.sum("amount"),
+    stage = agg.stage("totals", "user", {"amount": agg.sum("amount"),
                                                "n": agg.sum("n")}, EVENTS)
     big = Decimal("9999999999.99")
     batch = pa.Table.from_pylist([{"user": "u", "amount": big, "n": 1}] * 3, schema=EVENTS)
@@ -263,7 +262,7 @@ def test_a_sum_that_overflows_its_type_fails_naming_the_stage_and_aggregate():
 ])
 def test_bad_declarations_are_refused_naming_the_stage(aggregates, message):
     with pytest.raises((ValueError, TypeError), match=f"aggregate stage s: .*{message}"):
-        aggregate_stage("s", "user", aggregates, EVENTS)
+        agg.stage("s", "user", aggregates, EVENTS)
 
 
 def test_bad_aggregates_are_refused():
@@ -278,7 +277,7 @@ def test_bad_aggregates_are_refused():
 
 
 def test_an_input_that_does_not_fit_the_input_schema_is_refused():
-    stage = aggregate_stage("s", "user", {"n": agg.sum("n")}, EVENTS)
+    stage = agg.stage("s", "user", {"n": agg.sum("n")}, EVENTS)
     with pytest.raises(ValueError, match=r"aggregate stage s: the input's columns \['user', "
                                          r"'n'\] do not fit input_schema"):
         stage.run(pa.table({"user": ["u"], "n": ["x"]}), stage.empty_state())
@@ -344,7 +343,7 @@ def test_an_aggregate_stage_through_the_runner_checkpoints_and_restores(spark, t
     into another job) runs p2; its state equals the model over both partitions' rows."""
     source = RandomEvents()
     pipeline = StatefulPipeline(
-        name="aggregates", stages=[aggregate_stage("activity", "user", AGGREGATES, EVENTS)],
+        name="aggregates", stages=[agg.stage("activity", "user", AGGREGATES, EVENTS)],
         source=source, partitions=PARTITIONS, checkpoint_interval=2, max_parallelism=16,
         keyed_parallelism=2, materialisation=MaterialisationPolicy(every=2, min_bytes=0))
 

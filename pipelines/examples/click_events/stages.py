@@ -42,7 +42,6 @@ from pipelines.keyed import (
     StateTtl,
     TtlTimeCharacteristic,
     agg,
-    aggregate_stage,
 )
 
 __all__ = [
@@ -192,7 +191,7 @@ DEDUPE_KEYED = KeyedStage(
     output_schema=DEDUPE_OUTPUT_SCHEMA,
     event_time="event_ts",
 )
-USER_ACTIVITY_KEYED = aggregate_stage(
+USER_ACTIVITY_KEYED = agg.stage(
     "user_activity",
     key="user_id",
     input_schema=DEDUPE_OUTPUT_SCHEMA,

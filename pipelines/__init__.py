@@ -25,6 +25,7 @@ from pipelines.keyed import (
     MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
+    agg,
 )
 from pipelines.runner import (
     BatchListChangedError,
@@ -51,6 +52,7 @@ __all__ = [
     "StatefulPipeline",
     "StateTtl",
     "TtlTimeCharacteristic",
+    "agg",
     # sources and sinks
     "FileSource",
     "ParquetSink",

@@ -45,7 +45,7 @@ PUBLIC = {
     "pipelines": {
         # the pipeline spec and its stages
         "SOURCE", "KeyedResult", "KeyedStage", "MaterialisationPolicy", "Stage",
-        "StatefulPipeline", "StateTtl", "TtlTimeCharacteristic",
+        "StatefulPipeline", "StateTtl", "TtlTimeCharacteristic", "agg",
         # sources and sinks
         "FileSource", "ParquetSink", "Sink", "Source", "SparkReadSource", "SparkWriterSink",
         # running without Dagster
@@ -58,6 +58,8 @@ PUBLIC = {
         "state_stages",
     },
     "pipelines.keyed": {
+        # declarative aggregates
+        "Aggregate", "Aggregates", "agg",
         # key groups
         "DEFAULT_MAX_PARALLELISM", "KEY_GROUP", "UPPER_BOUND_MAX_PARALLELISM", "KeyGroupRange",
         "assign_key_groups", "compute_key_group_range_for_operator_index",

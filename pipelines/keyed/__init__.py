@@ -17,6 +17,7 @@ stage types ``pipelines`` exports stay importable from here, outside ``__all__``
 
 import importlib
 
+from pipelines.keyed._aggregates import Aggregate, Aggregates, agg
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -41,6 +42,10 @@ from pipelines.keyed._spark import local_store_directory, sweep_idle_stores
 from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
 
 __all__ = [
+    # declarative aggregates
+    "Aggregate",
+    "Aggregates",
+    "agg",
     # key groups
     "DEFAULT_MAX_PARALLELISM",
     "KEY_GROUP",

@@ -68,7 +68,9 @@ def complete_stage(ctx: typer.Context, incomplete: str) -> list[str]:
     """Shell completion of --stage: the stages (operators) of the checkpoint or savepoint
     already given (of a job directory: its latest completed checkpoint), storage options from
     ``$CHECKPOINTS_STORAGE_OPTIONS``. Nothing when it cannot be read."""
-    pointer = ctx.params.get("pointer")
+    # `--stage` still waiting for its value stops the parse: the words typed before it are
+    # left in ctx.args, unassigned
+    pointer = ctx.params.get("pointer") or next(iter(ctx.args), None)
     if not pointer:
         return []
     try:

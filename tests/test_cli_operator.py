@@ -434,3 +434,15 @@ def test_a_copied_job_directory_says_checkpoints_cannot_be_moved(tmp_path):
     assert f"moved or copied from {original}" in message
     assert "cannot be moved (a savepoint can)" in message
     assert "copy-savepoint" in message and "tampered" not in message
+
+
+def test_read_runs_through_the_lazy_plugin(tmp_path):
+    """`read` resolved through the declaration loads the plugin and runs it: an unknown stage
+    is a usage error naming the checkpoint's stages."""
+    data = data_directory(tmp_path)
+    app = cli.build_app(entry_points=[read_plugin()])
+
+    result = run("read", data / "checkpoints" / JOB_A.hex / "chk-2", "--stage", "nope", app=app)
+
+    assert 2 == result.exit_code
+    assert "its stages are: dedupe, counts" in error_line(result)

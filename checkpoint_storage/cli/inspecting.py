@@ -38,6 +38,7 @@ __all__ = ["inspect_command", "register", "verify_command"]
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``inspect`` and ``verify`` to the ``checkpoints`` app."""
     app.command("inspect", help=command_help(inspect_command), epilog=EPILOG)(inspect_command)
     app.command("verify", help=command_help(verify_command), epilog=EPILOG)(verify_command)
 

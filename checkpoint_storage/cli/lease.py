@@ -35,6 +35,7 @@ __all__ = ["lease_break_command", "lease_show_command", "register"]
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``lease show`` and ``lease break`` to the ``checkpoints`` app."""
     lease = typer.Typer(
         help="Show or break a job directory's lease. A coordinator holds its job directory's "
         "lease (DIR/_lease) while it writes checkpoints: one coordinator per job.",

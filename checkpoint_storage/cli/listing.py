@@ -60,6 +60,7 @@ RelativeOption = Annotated[
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``list`` and ``latest`` to the ``checkpoints`` app."""
     app.command("list", help=command_help(list_command), epilog=EPILOG)(list_command)
     app.command("latest", help=command_help(latest_command), epilog=EPILOG)(latest_command)
 

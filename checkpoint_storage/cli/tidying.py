@@ -52,6 +52,8 @@ SKIPPED_UNREADABLE = "unreadable"  # a SkippedCheckpoint.reason: gc kept it, exi
 
 
 def register(app: typer.Typer) -> None:
+    """Add ``gc``, ``dispose-savepoint`` (alias ``dispose``) and ``copy-savepoint`` to the
+    ``checkpoints`` app."""
     app.command("gc", help=command_help(gc_command), epilog=EPILOG)(gc_command)
     app.command("dispose-savepoint", help=command_help(dispose_command), epilog=EPILOG)(
         dispose_command

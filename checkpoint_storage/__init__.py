@@ -21,6 +21,7 @@ from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._lease import LeaseRecord, break_job_lease, read_job_lease
 from checkpoint_storage._metadata import CheckpointMetadata, load_checkpoint_metadata
+from checkpoint_storage._metadata_json import metadata_as_json
 from checkpoint_storage._retention import CheckpointRetentionPolicy, RestoreMode
 from checkpoint_storage._storage import (
     CheckpointStorage,
@@ -35,6 +36,7 @@ from checkpoint_storage._tools import (
     dispose_savepoint,
     latest_checkpoint,
     list_checkpoints,
+    list_checkpoints_below,
     verify_checkpoint,
 )
 from checkpoint_storage.exceptions import (
@@ -56,6 +58,7 @@ __all__ = [
     # _metadata
     "CheckpointMetadata",
     "load_checkpoint_metadata",
+    "metadata_as_json",
     # retention and restore
     "CheckpointRetentionPolicy",
     "RestoreMode",
@@ -69,6 +72,7 @@ __all__ = [
     "dispose_savepoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "list_checkpoints_below",
     "verify_checkpoint",
     # the job lease
     "LeaseRecord",

@@ -47,9 +47,15 @@ Flink model; it is here, grouped by what it is for:
   ``appends_in_place``, ``is_appended_segment``, ``APPENDED_FILE_PREFIX``): many small states
   packed into few physical files.
 - **Filesystem helpers** the layers above share (``options_with_environment``,
-  ``refuse_credentials``, ``format_size``, ``format_age``): fsspec options with secrets read
-  from environment variables, a guard against credentials travelling to executors, and
-  sizes and ages for people. ``checkpoint_storage.url_to_fs`` opens a URL.
+  ``refuse_credentials``, ``format_size``, ``format_age``, ``normalize_pointer``): fsspec
+  options with secrets read from environment variables, a guard against credentials travelling
+  to executors, sizes and ages for people, and a pointer in its canonical form.
+  ``checkpoint_storage.url_to_fs`` opens a URL.
+- **Tool helpers** for operator tools built on the library, like the ``checkpoints`` command
+  (``snapshot_kind``, ``corruption_of``, ``job_storage``, ``default_lease_owner``,
+  ``decode_master_state``): a snapshot's kind from its path, what a load error says about a
+  file's corruption, the storage of one job directory, the lease owner this process writes, and
+  a master state decoded for display.
 
 Every name here is also importable from ``checkpoint_storage`` itself, so that code written
 before this module existed keeps working; new code imports extension points from here.
@@ -82,6 +88,7 @@ from checkpoint_storage._file_merging import (
 from checkpoint_storage._filesystems import (
     format_age,
     format_size,
+    normalize_pointer,
     options_with_environment,
     refuse_credentials,
 )
@@ -92,7 +99,7 @@ from checkpoint_storage._handles import (
     SegmentFileStateHandle,
     StreamStateHandle,
 )
-from checkpoint_storage._lease import DEFAULT_LEASE_TTL, JobLease
+from checkpoint_storage._lease import DEFAULT_LEASE_TTL, JobLease, default_lease_owner
 from checkpoint_storage._locations import (
     CheckpointMetadataOutputStream,
     CheckpointStorageLocation,
@@ -112,6 +119,7 @@ from checkpoint_storage._metadata import (
     SnapshotType,
     store_checkpoint_metadata,
 )
+from checkpoint_storage._metadata_json import decode_master_state
 from checkpoint_storage._references import (
     CheckpointedStateScope,
     CheckpointStorageLocationReference,
@@ -131,7 +139,12 @@ from checkpoint_storage._store import (
     discard_checkpoint,
 )
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
-from checkpoint_storage._tools import verify_state_handles
+from checkpoint_storage._tools import (
+    corruption_of,
+    job_storage,
+    snapshot_kind,
+    verify_state_handles,
+)
 
 __all__ = [
     # access views
@@ -203,6 +216,13 @@ __all__ = [
     # filesystem helpers
     "format_age",
     "format_size",
+    "normalize_pointer",
     "options_with_environment",
     "refuse_credentials",
+    # tool helpers
+    "corruption_of",
+    "decode_master_state",
+    "default_lease_owner",
+    "job_storage",
+    "snapshot_kind",
 ]

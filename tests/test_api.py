@@ -29,13 +29,13 @@ PUBLIC = {
         "CheckpointStorage", "FileSystemCheckpointStorage", "JobID", "MemoryCheckpointStorage",
         "url_to_fs",
         # _metadata
-        "CheckpointMetadata", "load_checkpoint_metadata",
+        "CheckpointMetadata", "load_checkpoint_metadata", "metadata_as_json",
         # retention and restore
         "CheckpointRetentionPolicy", "RestoreMode",
         # finding, verifying, copying and deleting snapshots
         "CheckpointInfo", "GarbageCollectionResult", "VerificationProblem", "VerificationReport",
         "collect_garbage", "copy_savepoint", "dispose_savepoint", "latest_checkpoint",
-        "list_checkpoints", "verify_checkpoint",
+        "list_checkpoints", "list_checkpoints_below", "verify_checkpoint",
         # the job lease
         "LeaseRecord", "break_job_lease", "read_job_lease",
         # errors

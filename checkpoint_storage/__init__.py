@@ -3,132 +3,32 @@
 The coordinator (e.g. a Spark driver) creates checkpoint locations and publishes `_metadata`
 last; workers (e.g. Spark executors) resolve a location reference into a stream factory and
 write their state through it. See docs/design.md §3 and docs/metadata-format.md.
+
+``__all__`` is what a user of the storage needs: create it (``FileSystemCheckpointStorage``),
+find, verify, copy and delete checkpoints and savepoints, collect garbage, read `_metadata`,
+inspect or break the job lease, and the errors to catch (the whole tree is in
+``checkpoint_storage.exceptions``). What code that writes checkpoints through the library uses
+(access views, locations, streams, state handles, the `_metadata` model, stores, file merging)
+is documented in ``checkpoint_storage.spi``; Apache Flink's checkpoints are read by
+``checkpoint_storage.flink``. Those names, and every exception, stay importable from this
+package too, so that existing code keeps working.
 """
 
-from checkpoint_storage._access import (
-    CheckpointStateToolset,
-    CheckpointStorageAccess,
-    CheckpointStorageCoordinatorView,
-    CheckpointStorageWorkerView,
-    resolve_checkpoint_pointer,
-)
-from checkpoint_storage._appending import (
-    APPENDED_FILE_PREFIX,
-    AppendingSegmentStreamFactory,
-    appends_in_place,
-    is_appended_segment,
-)
-from checkpoint_storage._file_merging import (
-    DEFAULT_MAX_FILE_SIZE,
-    FileMergingSnapshotManager,
-    FileMergingType,
-    LogicalFile,
-    PhysicalFile,
-    PhysicalFilePoolType,
-    SpaceStat,
-    SubtaskKey,
-    create_file_merging_snapshot_manager,
-)
-from checkpoint_storage._filesystems import (
-    format_age,
-    format_size,
-    options_with_environment,
-    refuse_credentials,
-    url_to_fs,
-)
-from checkpoint_storage._flink_metadata import (
-    SUPPORTED_FLINK_VERSIONS,
-    FlinkCheckpointMetadata,
-    FlinkCheckpointProperties,
-    FlinkFileReference,
-    FlinkKeyedStateHandle,
-    FlinkMasterState,
-    FlinkOperatorState,
-    FlinkOperatorStateHandle,
-    FlinkStreamHandle,
-    FlinkSubtaskState,
-    is_flink_metadata,
-    parse_flink_metadata,
-    parse_remap,
-    remap_path,
-)
-from checkpoint_storage._flink_orphans import (
-    ExternalReference,
-    FlinkFileProblem,
-    FlinkVerificationReport,
-    OrphanDeletion,
-    OrphanFile,
-    OrphanReport,
-    RetainedCheckpoint,
-    UnreadableCheckpoint,
-    delete_orphans,
-    find_orphans,
-    is_flink_checkpoint,
-    read_flink_checkpoint,
-    verify_flink_checkpoint,
-)
+import importlib
+
+from checkpoint_storage import exceptions, spi
+from checkpoint_storage._filesystems import url_to_fs
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
-from checkpoint_storage._handles import (
-    ByteStreamStateHandle,
-    FileStateHandle,
-    RelativeFileStateHandle,
-    SegmentFileStateHandle,
-    StreamStateHandle,
-)
 from checkpoint_storage._ids import JobID
-from checkpoint_storage._lease import (
-    DEFAULT_LEASE_TTL,
-    JobLease,
-    LeaseRecord,
-    break_job_lease,
-    read_job_lease,
-)
-from checkpoint_storage._locations import (
-    CheckpointMetadataOutputStream,
-    CheckpointStorageLocation,
-    CompletedCheckpointStorageLocation,
-)
-from checkpoint_storage._master_states import (
-    JOB_NAME_STATE,
-    SOURCE_POSITION_STATE,
-    STATE_FORMAT_PREFIX,
-    STATE_SCHEMA_PREFIX,
-)
-from checkpoint_storage._metadata import (
-    CheckpointMetadata,
-    CheckpointProperties,
-    OperatorState,
-    OperatorSubtaskState,
-    SavepointFormatType,
-    SnapshotType,
-    load_checkpoint_metadata,
-    store_checkpoint_metadata,
-)
-from checkpoint_storage._references import (
-    CheckpointedStateScope,
-    CheckpointStorageLocationReference,
-    decode_path_from_reference,
-    encode_path_as_reference,
-)
-from checkpoint_storage._retention import CheckpointRetentionPolicy, JobStatus, RestoreMode
-from checkpoint_storage._shared_state import SharedStateRegistry
+from checkpoint_storage._lease import LeaseRecord, break_job_lease, read_job_lease
+from checkpoint_storage._metadata import CheckpointMetadata, load_checkpoint_metadata
+from checkpoint_storage._metadata_json import metadata_as_json
+from checkpoint_storage._retention import CheckpointRetentionPolicy, RestoreMode
 from checkpoint_storage._storage import (
-    DEFAULT_FILE_STATE_THRESHOLD,
-    DEFAULT_WRITE_BUFFER_SIZE,
     CheckpointStorage,
     FileSystemCheckpointStorage,
     MemoryCheckpointStorage,
 )
-from checkpoint_storage._store import (
-    AlsoRetained,
-    CompletedCheckpoint,
-    CompletedCheckpointStore,
-    FileSystemCompletedCheckpointStore,
-    StandaloneCompletedCheckpointStore,
-    abort_checkpoint,
-    discard_checkpoint,
-)
-from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
 from checkpoint_storage._tools import (
     CheckpointInfo,
     VerificationProblem,
@@ -137,160 +37,88 @@ from checkpoint_storage._tools import (
     dispose_savepoint,
     latest_checkpoint,
     list_checkpoints,
+    list_checkpoints_below,
     verify_checkpoint,
-    verify_state_handles,
 )
 from checkpoint_storage.exceptions import (
-    CheckpointAlreadyExistsError,
-    CheckpointCommitFailedError,
-    CheckpointIdMismatchError,
     CheckpointNotFoundError,
     CheckpointStorageError,
     CommitStateUnknownError,
-    FlinkMetadataError,
-    ForeignCheckpointError,
     InvalidCheckpointError,
-    JobLeaseError,
     JobLeaseHeldError,
     JobLeaseLostError,
-    OrphanDeletionRefusedError,
-    StateIntegrityError,
-    StateSizeExceededError,
-    StorageConfigurationError,
-    StreamClosedError,
-    UnreadableCheckpointError,
-    UnsafePathError,
-    UnsupportedFileSystemError,
 )
 
 __all__ = [
-    "AlsoRetained",
-    "APPENDED_FILE_PREFIX",
-    "DEFAULT_FILE_STATE_THRESHOLD",
-    "DEFAULT_LEASE_TTL",
-    "DEFAULT_MAX_FILE_SIZE",
-    "DEFAULT_WRITE_BUFFER_SIZE",
-    "JOB_NAME_STATE",
-    "SOURCE_POSITION_STATE",
-    "STATE_FORMAT_PREFIX",
-    "STATE_SCHEMA_PREFIX",
-    "AppendingSegmentStreamFactory",
-    "ByteStreamStateHandle",
-    "CheckpointAlreadyExistsError",
-    "CheckpointCommitFailedError",
-    "CheckpointIdMismatchError",
-    "CheckpointInfo",
-    "CheckpointMetadata",
-    "CheckpointMetadataOutputStream",
-    "CheckpointNotFoundError",
-    "CheckpointProperties",
-    "CheckpointRetentionPolicy",
-    "CheckpointStateOutputStream",
-    "CheckpointStateToolset",
+    # storage
     "CheckpointStorage",
-    "CheckpointStorageAccess",
-    "CheckpointStorageCoordinatorView",
-    "CheckpointStorageError",
-    "CheckpointStorageLocation",
-    "CheckpointStorageLocationReference",
-    "CheckpointStorageWorkerView",
-    "CheckpointStreamFactory",
-    "CheckpointedStateScope",
-    "CommitStateUnknownError",
-    "CompletedCheckpoint",
-    "CompletedCheckpointStorageLocation",
-    "CompletedCheckpointStore",
-    "FileMergingSnapshotManager",
-    "ForeignCheckpointError",
-    "FileMergingType",
-    "FileStateHandle",
     "FileSystemCheckpointStorage",
-    "FileSystemCompletedCheckpointStore",
-    "GarbageCollectionResult",
-    "InvalidCheckpointError",
     "JobID",
-    "JobLease",
-    "JobLeaseError",
-    "JobLeaseHeldError",
-    "JobLeaseLostError",
-    "JobStatus",
-    "LeaseRecord",
-    "LogicalFile",
     "MemoryCheckpointStorage",
-    "OperatorState",
-    "OperatorSubtaskState",
-    "PhysicalFile",
-    "PhysicalFilePoolType",
-    "RelativeFileStateHandle",
+    "url_to_fs",
+    # _metadata
+    "CheckpointMetadata",
+    "load_checkpoint_metadata",
+    "metadata_as_json",
+    # retention and restore
+    "CheckpointRetentionPolicy",
     "RestoreMode",
-    "SavepointFormatType",
-    "SegmentFileStateHandle",
-    "SharedStateRegistry",
-    "SnapshotType",
-    "SpaceStat",
-    "StandaloneCompletedCheckpointStore",
-    "StateIntegrityError",
-    "StateSizeExceededError",
-    "StorageConfigurationError",
-    "StreamClosedError",
-    "StreamStateHandle",
-    "SubtaskKey",
-    "UnreadableCheckpointError",
-    "UnsafePathError",
-    "UnsupportedFileSystemError",
+    # finding, verifying, copying and deleting snapshots
+    "CheckpointInfo",
+    "GarbageCollectionResult",
     "VerificationProblem",
     "VerificationReport",
-    "abort_checkpoint",
-    "appends_in_place",
-    "break_job_lease",
     "collect_garbage",
     "copy_savepoint",
-    "create_file_merging_snapshot_manager",
-    "decode_path_from_reference",
-    "discard_checkpoint",
     "dispose_savepoint",
-    "encode_path_as_reference",
-    "is_appended_segment",
-    "format_age",
-    "format_size",
     "latest_checkpoint",
     "list_checkpoints",
-    "load_checkpoint_metadata",
-    "options_with_environment",
-    "refuse_credentials",
-    "read_job_lease",
-    "resolve_checkpoint_pointer",
-    "store_checkpoint_metadata",
-    "url_to_fs",
+    "list_checkpoints_below",
     "verify_checkpoint",
-    "verify_state_handles",
-    "SUPPORTED_FLINK_VERSIONS",
-    "ExternalReference",
-    "FlinkCheckpointMetadata",
-    "FlinkCheckpointProperties",
-    "FlinkFileProblem",
-    "FlinkFileReference",
-    "FlinkKeyedStateHandle",
-    "FlinkMasterState",
-    "FlinkMetadataError",
-    "FlinkOperatorState",
-    "FlinkOperatorStateHandle",
-    "FlinkStreamHandle",
-    "FlinkSubtaskState",
-    "FlinkVerificationReport",
-    "OrphanDeletion",
-    "OrphanDeletionRefusedError",
-    "OrphanFile",
-    "OrphanReport",
-    "RetainedCheckpoint",
-    "UnreadableCheckpoint",
-    "delete_orphans",
-    "find_orphans",
-    "is_flink_checkpoint",
-    "is_flink_metadata",
-    "parse_flink_metadata",
-    "parse_remap",
-    "read_flink_checkpoint",
-    "remap_path",
-    "verify_flink_checkpoint",
+    # the job lease
+    "LeaseRecord",
+    "break_job_lease",
+    "read_job_lease",
+    # errors (the whole tree: checkpoint_storage.exceptions)
+    "CheckpointNotFoundError",
+    "CheckpointStorageError",
+    "CommitStateUnknownError",
+    "InvalidCheckpointError",
+    "JobLeaseHeldError",
+    "JobLeaseLostError",
 ]
+
+# The Flink reader's names, exported here before checkpoint_storage.flink existed: written out
+# (tests/test_api.py checks them against its __all__) so that importing this package does not
+# load the reader.
+_FLINK_NAMES = (
+    "SUPPORTED_FLINK_VERSIONS", "FlinkCheckpointMetadata", "FlinkCheckpointProperties",
+    "FlinkFileReference", "FlinkKeyedStateHandle", "FlinkMasterState", "FlinkOperatorState",
+    "FlinkOperatorStateHandle", "FlinkStreamHandle", "FlinkSubtaskState", "is_flink_metadata",
+    "parse_flink_metadata", "parse_remap", "remap_path", "FlinkFileProblem",
+    "FlinkVerificationReport", "file_size", "is_flink_checkpoint", "read_flink_checkpoint",
+    "verify_flink_checkpoint", "ExternalReference", "OrphanDeletion", "OrphanFile",
+    "OrphanReport", "RetainedCheckpoint", "UnreadableCheckpoint", "delete_orphans",
+    "find_orphans", "FlinkStateRow", "FlinkStateRows", "read_heap_value_rows",
+)  # fmt: skip
+
+# Names outside __all__ that code written before checkpoint_storage.spi existed imports from
+# here (docs/design.md names them so): every extension point, every exception and the Flink
+# reader's names.
+_ELSEWHERE = {
+    **dict.fromkeys(spi.__all__, "checkpoint_storage.spi"),
+    **dict.fromkeys(_FLINK_NAMES, "checkpoint_storage.flink"),
+    **dict.fromkeys(exceptions.__all__, "checkpoint_storage.exceptions"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _ELSEWHERE:
+        raise AttributeError(f"module 'checkpoint_storage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ELSEWHERE})

@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 APPENDED_FILE_PREFIX = "appended-"
+"""The name prefix of appended physical files: only such files are ever resumed."""
 
 
 def appends_in_place(fs: AbstractFileSystem) -> bool:

@@ -69,10 +69,10 @@ __all__ = [
 logger = logging.getLogger("checkpoint_storage")
 
 DEFAULT_MAX_FILE_SIZE = 32 * 1024 * 1024
+"""A physical file takes no more segments once it is this large (Flink's
+``execution.checkpointing.file-merging.max-file-size``)."""
 DEFAULT_MAX_SPACE_AMPLIFICATION = 2.0
 _UNSAFE_NAME = re.compile(r"[^a-zA-Z0-9\-]")
-EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
-SHARED = CheckpointedStateScope.SHARED
 
 
 class FileMergingType(enum.Enum):
@@ -279,7 +279,7 @@ class _PhysicalFilePool:
         return deque()
 
     def _queue(self, subtask_key: SubtaskKey, scope: CheckpointedStateScope):
-        if scope is EXCLUSIVE:
+        if scope is CheckpointedStateScope.EXCLUSIVE:
             return self._exclusive
         with self._lock:
             q = self._shared.get(subtask_key)
@@ -298,7 +298,7 @@ class _PhysicalFilePool:
 
     def _keyed_queues(self) -> list:
         with self._lock:
-            return [(EXCLUSIVE, self._exclusive), *self._shared.items()]
+            return [(CheckpointedStateScope.EXCLUSIVE, self._exclusive), *self._shared.items()]
 
     def _emptied(self, key) -> None:
         """A queue lost files to ``close_files``."""
@@ -392,7 +392,7 @@ class BlockingPhysicalFilePool(_PhysicalFilePool):
         return queue.Queue()
 
     def poll_file(self, subtask_key, scope):
-        key = EXCLUSIVE if scope is EXCLUSIVE else subtask_key
+        key = scope if scope is CheckpointedStateScope.EXCLUSIVE else subtask_key
         q = self._queue(subtask_key, scope)
         with self._lock:
             first = key not in self._initialized
@@ -537,7 +537,7 @@ class FileMergingSnapshotManager:
             self._managed_shared.pop(subtask_key, None)
 
     def get_managed_dir(self, subtask_key: SubtaskKey, scope: CheckpointedStateScope) -> str | None:
-        if scope is SHARED:
+        if scope is CheckpointedStateScope.SHARED:
             return self._managed_shared.get(subtask_key)
         return self._managed_exclusive
 

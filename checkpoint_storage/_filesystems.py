@@ -278,12 +278,36 @@ class PathRoots:
 
     def check(self, url: str) -> str:
         if self.index_of(url) is None:
+            moved_from = self._moved_from(url)
+            if moved_from is not None:
+                raise UnsafePathError(
+                    f"state path {url!r} lies outside the checkpoint's directories "
+                    f"{list(self.roots)}: this job directory was moved or copied from "
+                    f"{moved_from}. A checkpoint records its state files' absolute paths and "
+                    "cannot be moved (a savepoint can): read or restore it where it was "
+                    "written, or take a savepoint there and copy that (checkpoints "
+                    "copy-savepoint); refusing to read or delete it"
+                )
             raise UnsafePathError(
                 f"state path {url!r} lies outside the checkpoint's directories "
                 f"{list(self.roots)}: the _metadata was not written for this location or was "
                 "tampered with; refusing to read or delete it"
             )
         return url
+
+    def _moved_from(self, url: str) -> str | None:
+        """The job directory a checkpoint's state path names when it has this checkpoint's
+        layout (``<job>/chk-<id>/...``, ``<job>/shared/...``, ``<job>/taskowned/...``, the
+        job directory named as this one's) elsewhere: the checkpoint was moved or copied."""
+        own, _, own_name = self.roots[self.OWN].rpartition("/")
+        job_name = own.rpartition("/")[2]
+        if not own_name.startswith("chk-") or not job_name or not isinstance(url, str):
+            return None
+        for sub in (own_name, "shared", "taskowned"):
+            old_job, sep, tail = url.rpartition(f"/{job_name}/{sub}/")
+            if sep and old_job and _clean_tail(tail):
+                return f"{old_job}/{job_name}"
+        return None
 
 
 def _clean_tail(tail: str) -> bool:

@@ -162,6 +162,9 @@ class FlinkOperatorStateHandle:
 
 @dataclass(frozen=True)
 class FlinkSubtaskState:
+    """One subtask's state of an operator: its four handles (managed and raw, operator and
+    keyed state; None when absent) and whether the subtask had finished."""
+
     index: int
     finished: bool = False
     managed_operator_state: FlinkOperatorStateHandle | None = None
@@ -182,6 +185,9 @@ class FlinkSubtaskState:
 
 @dataclass(frozen=True)
 class FlinkOperatorState:
+    """One operator's state: its id, name and uid (format version 5 and later), parallelism,
+    its coordinator's state and its subtasks' states."""
+
     operator_id: str  # 32 hex digits, as Flink prints an OperatorID
     parallelism: int
     max_parallelism: int
@@ -194,6 +200,8 @@ class FlinkOperatorState:
 
 @dataclass(frozen=True)
 class FlinkMasterState:
+    """A master (coordinator) state: its name, serializer version and bytes."""
+
     name: str
     version: int
     data: bytes = field(repr=False)

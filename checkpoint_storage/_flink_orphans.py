@@ -107,6 +107,9 @@ class FlinkFileProblem:
 
 @dataclass(frozen=True)
 class FlinkVerificationReport:
+    """What ``verify_flink_checkpoint`` found: the files checked, the bytes in them and
+    inline, and the problems (``ok`` when there are none)."""
+
     pointer: str
     checkpoint_id: int
     files_checked: int
@@ -186,6 +189,9 @@ def _key_group_ends(metadata: FlinkCheckpointMetadata) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class OrphanFile:
+    """A file under ``shared/`` or ``taskowned/`` that no retained checkpoint references;
+    ``modified`` is None when the filesystem does not say."""
+
     path: str
     size: int
     modified: datetime | None
@@ -210,6 +216,9 @@ class ExternalReference:
 
 @dataclass(frozen=True)
 class RetainedCheckpoint:
+    """A ``chk-<id>`` directory with a `_metadata` that was read: who wrote it and how many
+    files it references."""
+
     pointer: str
     checkpoint_id: int
     writer: str  # "Apache Flink" or "this library"
@@ -218,6 +227,8 @@ class RetainedCheckpoint:
 
 @dataclass(frozen=True)
 class UnreadableCheckpoint:
+    """A `_metadata` that could not be read (and why): it blocks ``delete_orphans``."""
+
     pointer: str
     reason: str
 
@@ -391,6 +402,10 @@ def find_orphans(
 
 @dataclass(frozen=True)
 class OrphanDeletion:
+    """What ``delete_orphans`` did: the files deleted, those kept (younger than the grace
+    period, or referenced by an ``also_referenced_by`` directory) and those whose deletion
+    failed, with the reason."""
+
     deleted: tuple[str, ...]
     bytes_deleted: int
     kept_young: tuple[str, ...]

@@ -89,6 +89,8 @@ class _StateInfo:
 
 @dataclass(frozen=True)
 class FlinkStateRow:
+    """One keyed ValueState entry: its key group, state name, key and value."""
+
     key_group: int
     state: str
     key: object
@@ -97,6 +99,8 @@ class FlinkStateRow:
 
 @dataclass(frozen=True)
 class FlinkStateRows:
+    """The rows ``read_heap_value_rows`` read of one operator, and the states it holds."""
+
     operator: str
     states: list[str]
     rows: list[FlinkStateRow] = field(default_factory=list)

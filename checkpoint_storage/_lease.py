@@ -75,6 +75,7 @@ logger = logging.getLogger("checkpoint_storage")
 
 LEASE_DIRECTORY = "_lease"
 DEFAULT_LEASE_TTL = timedelta(seconds=60)
+"""How long a job lease lives without renewal; the holder renews it every ``ttl / 3``."""
 MIN_LEASE_TTL = timedelta(milliseconds=100)
 RECORD_FORMAT = "checkpoint-storage-job-lease/1"
 MAX_RECORD_SIZE = 64 * 1024

@@ -50,12 +50,18 @@ __all__ = [
 
 
 class SnapshotType(enum.Enum):
+    """The kind of a snapshot (Flink's ``SnapshotType``): a regular checkpoint, a full
+    checkpoint (one that references no state of earlier checkpoints), or a savepoint."""
+
     CHECKPOINT = 0
     FULL_CHECKPOINT = 1
     SAVEPOINT = 2
 
 
 class SavepointFormatType(enum.Enum):
+    """The format a savepoint's state is written in (Flink's ``SavepointFormatType``):
+    canonical (independent of how the job keeps its state) or native (as it keeps it)."""
+
     CANONICAL = 0
     NATIVE = 1
 

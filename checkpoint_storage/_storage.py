@@ -40,7 +40,11 @@ __all__ = ["CheckpointStorage", "FileSystemCheckpointStorage", "MemoryCheckpoint
 
 MAX_FILE_STATE_THRESHOLD = 1024 * 1024
 DEFAULT_FILE_STATE_THRESHOLD = 20 * 1024
+"""Streams of at most this many bytes become inline ``ByteStreamStateHandle``s (no file);
+Flink's ``state.storage.fs.memory-threshold``. At most ``MAX_FILE_STATE_THRESHOLD`` (1 MiB)."""
 DEFAULT_WRITE_BUFFER_SIZE = 4096
+"""Bytes a state stream buffers before it writes to its file (Flink's
+``state.storage.fs.write-buffer-size``)."""
 DEFAULT_MAX_MEMORY_STATE_SIZE = 5 * 1024 * 1024
 
 

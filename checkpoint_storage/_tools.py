@@ -71,6 +71,7 @@ __all__ = [
     "dispose_savepoint",
     "latest_checkpoint",
     "list_checkpoints",
+    "list_checkpoints_below",
     "verify_checkpoint",
     "verify_state_handles",
 ]
@@ -83,6 +84,7 @@ Progress = Callable[[int, int], None]
 VERIFY_PARALLELISM = 8
 COPY_PARALLELISM = 4
 LIST_PARALLELISM = 8
+SEARCH_DEPTH = 2  # list_checkpoints_below: e.g. <data>/savepoints/scheduled
 _CHUNK = 1 << 20
 
 _SAVEPOINT_DIR = re.compile(r"savepoint-([0-9a-f]{6})-[0-9a-f]+")
@@ -805,6 +807,11 @@ def list_checkpoints(
             fs.info(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"{to_url(fs, path)} does not exist") from None
+    if len(entries) == 1 and not _is_dir(entries[0]) and entries[0]["name"].rstrip("/") == path:
+        raise NotADirectoryError(  # fsspec lists a file as itself
+            f"{to_url(fs, path)} is a file, not a directory: pass a job directory, a directory "
+            "of jobs or savepoints, or a checkpoint or savepoint directory"
+        )
     own_job = name if is_job_id(name) else None
     if any(_is_metadata_entry(e) for e in entries):
         parent_job = parent_and_name(parent)[1]
@@ -828,16 +835,7 @@ def list_checkpoints(
     lease_of = _lease_reader(fs)
     with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
         infos = list(pool.map(lambda c: _examine(fs, c, options, listed, lease_of), candidates))
-    infos = _attribute_savepoints(infos)
-    return sorted(
-        infos,
-        key=lambda i: (
-            i.job_id or "",
-            i.checkpoint_id is None,
-            i.checkpoint_id or 0,
-            i.pointer,
-        ),
-    )
+    return sorted(_attribute_savepoints(infos), key=_listing_order)
 
 
 def _attribute_savepoints(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
@@ -853,6 +851,83 @@ def _attribute_savepoints(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
                 info = dataclasses.replace(info, job_id=owners[0])
         result.append(info)
     return result
+
+
+def _holds_snapshots_or_jobs(name: str) -> bool:
+    return (
+        checkpoint_directory_id(name) is not None
+        or _SAVEPOINT_DIR.fullmatch(name) is not None
+        or is_job_id(name)
+    )
+
+
+def _listing_below(fs: AbstractFileSystem, path: str) -> list[dict]:
+    """The entries of a directory below the one asked for; one that cannot be listed is
+    skipped with a warning (it was not asked for by name)."""
+    try:
+        return _ls(fs, path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        logger.warning("skipped %s: cannot list it (%s)", to_url(fs, path), _one_line(exc))
+        return []
+
+
+def _holders_below(
+    fs: AbstractFileSystem, entries: list[dict], depth: int, max_depth: int
+) -> list[str]:
+    """The directories among ``entries`` and below them (to ``max_depth``) that hold job,
+    ``chk-<id>`` or ``savepoint-*`` directories. Hidden (``.x``) and internal (``_x``)
+    ones are skipped, and so is a directory holding a `_metadata` (a checkpoint directory
+    under another name)."""
+    found = []
+    for entry in entries:
+        name = parent_and_name(entry["name"])[1]
+        if not _is_dir(entry) or _holds_snapshots_or_jobs(name) or name.startswith((".", "_")):
+            continue
+        child = entry["name"].rstrip("/")
+        child_entries = _listing_below(fs, child)
+        if any(_is_metadata_entry(e) for e in child_entries):
+            continue
+        if any(
+            _is_dir(e) and _holds_snapshots_or_jobs(parent_and_name(e["name"])[1])
+            for e in child_entries
+        ):
+            found.append(child)
+        if depth < max_depth:
+            found += _holders_below(fs, child_entries, depth + 1, max_depth)
+    return found
+
+
+def list_checkpoints_below(
+    directory: str, *, storage_options: dict | None = None, depth: int = SEARCH_DEPTH
+) -> list[CheckpointInfo]:
+    """What ``list_checkpoints`` finds in ``directory`` and, when ``directory`` is neither
+    a job directory nor a checkpoint or savepoint directory, in every directory below it (up
+    to ``depth`` levels) that holds job, ``chk-<id>`` or ``savepoint-*`` directories: e.g.
+    for a data directory, ``<data>/checkpoints`` and ``<data>/savepoints/scheduled``.
+    Hidden (``.x``) and internal (``_x``) directories are not searched; one below
+    ``directory`` that cannot be listed is skipped with a warning (logged). A savepoint
+    whose `_metadata` names no job is attributed as ``list_checkpoints`` does, across
+    everything found. Sorted by job, then id.
+
+    Raises as ``list_checkpoints`` does for ``directory`` itself."""
+    options = dict(storage_options or {})
+    infos = list_checkpoints(directory, storage_options=options)
+    fs, path = url_to_fs(directory, options)
+    if is_job_id(parent_and_name(path)[1]):
+        return infos
+    entries = _ls(fs, path)
+    if any(_is_metadata_entry(e) for e in entries):
+        return infos
+    holders = _holders_below(fs, entries, 1, depth)
+    for holder in holders:
+        infos = [*infos, *list_checkpoints(to_url(fs, holder), storage_options=options)]
+    return sorted(_attribute_savepoints(infos), key=_listing_order) if holders else infos
+
+
+def _listing_order(info: CheckpointInfo) -> tuple:
+    return (info.job_id or "", info.checkpoint_id is None, info.checkpoint_id or 0, info.pointer)
 
 
 # --- latest ------------------------------------------------------------------------------

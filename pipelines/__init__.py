@@ -3,112 +3,115 @@
 Describe a pipeline with ``StatefulPipeline`` (stages, a source, partitions, sinks), run it
 with ``StatefulRunner`` (or through Dagster: ``sensors.pipeline_definitions``); read the
 state of a checkpoint or savepoint with ``read_state`` (or Spark's ``checkpoint`` format).
-Everything a pipeline needs is exported here; examples live in ``pipelines.examples``. A stage
-is a DataFrame stage (``Stage``: small state, snapshot whole) or a keyed stage (``KeyedStage``:
-large state in key groups, checkpointed incrementally); keyed state's machinery (key groups,
-the local store, change files and chains) is ``pipelines.keyed``.
+What a pipeline's author needs is exported here; examples live in ``pipelines.examples``. A
+stage is a DataFrame stage (``Stage``: small state, snapshot whole) or a keyed stage
+(``KeyedStage``: large state in key groups, checkpointed incrementally).
+
+Below this surface: ``pipelines.runner`` (positions, retention and restore checks the
+Dagster layer uses), ``pipelines.state_reader`` (snapshots opened for reading, state
+formats), ``pipelines.state_source`` (the Spark data source) and ``pipelines.keyed`` (key
+groups, change files and chains, local stores). Names of those that this package exported
+before stay importable from here, so that existing code keeps working.
 """
 
+import importlib
+
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
-from pipelines._sources import FileSource, Source, SparkReadSource, arrow_schema
-from pipelines._spec import SOURCE, PartitionOrder, Stage, StatefulPipeline
+from pipelines._sources import FileSource, Source, SparkReadSource
+from pipelines._spec import SOURCE, Stage, StatefulPipeline
 from pipelines.keyed import (
-    DEFAULT_MAX_PARALLELISM,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
+    agg,
 )
 from pipelines.runner import (
-    PIPELINE_NAME_STATE,
-    POSITION_STATE,
-    SCHEDULED_SAVEPOINTS,
     BatchListChangedError,
     CheckpointSummary,
     ClaimRefusedError,
     CorruptStateError,
-    DamagedState,
     MissingStateError,
     PartitionResult,
     SourcePosition,
     StageError,
     StatefulRunner,
-    batches_digest,
-    check_restore_from,
-    damaged_state,
-    empty_state,
-    head_of,
     job_id_for,
-    partition_ends,
-    position_retention,
 )
-from pipelines.state_reader import (
-    STATE_FORMATS,
-    PipelineSnapshot,
-    StateFormat,
-    StateHandleRef,
-    StatePart,
-    StateReadError,
-    UnknownStageError,
-    open_snapshot,
-    read_state,
-    read_state_part,
-    state_stages,
-)
-from pipelines.state_source import CheckpointDataSource, register_checkpoint_source
+from pipelines.state_reader import StateReadError, UnknownStageError, read_state, state_stages
+from pipelines.state_source import register_checkpoint_source
 
 __all__ = [
-    "DEFAULT_MAX_PARALLELISM",
-    "PIPELINE_NAME_STATE",
-    "POSITION_STATE",
-    "SCHEDULED_SAVEPOINTS",
+    # the pipeline spec and its stages
     "SOURCE",
-    "STATE_FORMATS",
-    "BatchListChangedError",
-    "CheckpointDataSource",
-    "CheckpointSummary",
-    "ClaimRefusedError",
-    "CorruptStateError",
-    "DamagedState",
-    "FileSource",
     "KeyedResult",
     "KeyedStage",
     "MaterialisationPolicy",
-    "MissingStateError",
-    "ParquetSink",
-    "PartitionOrder",
-    "PartitionResult",
-    "PipelineSnapshot",
-    "Sink",
-    "Source",
-    "SourcePosition",
-    "SparkReadSource",
-    "SparkWriterSink",
     "Stage",
-    "StageError",
-    "StateFormat",
-    "StateHandleRef",
-    "StatePart",
-    "StateReadError",
     "StatefulPipeline",
     "StateTtl",
-    "StatefulRunner",
     "TtlTimeCharacteristic",
-    "UnknownStageError",
-    "arrow_schema",
-    "batches_digest",
-    "check_claim",
-    "check_restore_from",
-    "damaged_state",
-    "empty_state",
-    "head_of",
+    "agg",
+    # sources and sinks
+    "FileSource",
+    "ParquetSink",
+    "Sink",
+    "Source",
+    "SparkReadSource",
+    "SparkWriterSink",
+    # running without Dagster
+    "CheckpointSummary",
+    "PartitionResult",
+    "SourcePosition",
+    "StatefulRunner",
     "job_id_for",
-    "partition_ends",
-    "position_retention",
-    "open_snapshot",
+    # what a run raises
+    "BatchListChangedError",
+    "ClaimRefusedError",
+    "CorruptStateError",
+    "MissingStateError",
+    "StageError",
+    # reading state
+    "StateReadError",
+    "UnknownStageError",
     "read_state",
-    "read_state_part",
     "register_checkpoint_source",
     "state_stages",
 ]
+
+# Names outside __all__ that this package exported before: where each one lives.
+_ELSEWHERE = {
+    "DEFAULT_MAX_PARALLELISM": "pipelines.keyed",
+    "PartitionOrder": "pipelines._spec",
+    "arrow_schema": "pipelines._sources",
+    "SCHEDULED_SAVEPOINTS": "pipelines.runner",
+    "DamagedState": "pipelines.runner",
+    "batches_digest": "pipelines.runner",
+    "check_restore_from": "pipelines.runner",
+    "damaged_state": "pipelines.runner",
+    "empty_state": "pipelines.runner",
+    "head_of": "pipelines.runner",
+    "partition_ends": "pipelines.runner",
+    "position_retention": "pipelines.runner",
+    "STATE_FORMATS": "pipelines.state_reader",
+    "PipelineSnapshot": "pipelines.state_reader",
+    "StateFormat": "pipelines.state_reader",
+    "StateHandleRef": "pipelines.state_reader",
+    "StatePart": "pipelines.state_reader",
+    "open_snapshot": "pipelines.state_reader",
+    "read_state_part": "pipelines.state_reader",
+    "CheckpointDataSource": "pipelines.state_source",
+}
+
+
+def __getattr__(name: str):
+    if name not in _ELSEWHERE:
+        raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ELSEWHERE})

@@ -6,7 +6,8 @@ environment when it opens the filesystem."""
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
-from checkpoint_storage import options_with_environment, refuse_credentials, url_to_fs
+from checkpoint_storage import url_to_fs
+from checkpoint_storage.spi import options_with_environment, refuse_credentials
 
 __all__ = ["FileSystemLocation", "partition_directory"]
 

@@ -6,15 +6,14 @@ rebuilds a handle with the storage options of the process it runs in."""
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from checkpoint_storage import (
+from checkpoint_storage import InvalidCheckpointError, url_to_fs
+from checkpoint_storage.spi import (
     ByteStreamStateHandle,
     CheckpointedStateScope,
     FileStateHandle,
-    InvalidCheckpointError,
     RelativeFileStateHandle,
     SegmentFileStateHandle,
     StreamStateHandle,
-    url_to_fs,
 )
 
 __all__ = ["StateHandleRef"]

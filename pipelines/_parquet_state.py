@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from checkpoint_storage import StreamStateHandle
+from checkpoint_storage.spi import StreamStateHandle
 
 __all__ = ["read_parquet", "write_parquet_state"]
 

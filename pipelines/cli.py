@@ -15,23 +15,21 @@ import inspect
 import io
 import json
 from collections.abc import Iterable, Mapping
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import pyarrow as pa
-import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 import typer
 from rich.text import Text
 
 from checkpoint_storage import (
-    SOURCE_POSITION_STATE,
     CheckpointNotFoundError,
+    latest_checkpoint,
     list_checkpoints,
     url_to_fs,
 )
 from checkpoint_storage.cli import (
     StorageOption,
     UsageError,
+    complete_location,
     echo,
     location,
     new_table,
@@ -39,11 +37,19 @@ from checkpoint_storage.cli import (
     run_command,
     storage_options,
 )
-from pipelines.runner import SourcePosition
-from pipelines.state_reader import PipelineSnapshot, open_snapshot
+from checkpoint_storage.spi import SOURCE_POSITION_STATE, resolve_checkpoint_pointer
 
-__all__ = ["DEFAULT_TABLE_ROWS", "partition_end_pointer", "read_command", "register",
-           "rows_as_json"]
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from pipelines.state_reader import PipelineSnapshot
+
+__all__ = ["CHECKPOINTS_COMMANDS", "DEFAULT_TABLE_ROWS", "complete_stage",
+           "partition_end_pointer", "read_command", "register", "rows_as_json"]
+
+# Read by `checkpoints` from this file's source without importing it (a literal): `read` is
+# listed and completes at once, and pyspark and pyarrow are imported only when it runs.
+CHECKPOINTS_COMMANDS = {"read": "Print or export the rows of a stage's state."}
 
 DEFAULT_TABLE_ROWS = 20
 
@@ -57,10 +63,41 @@ def register(app: typer.Typer) -> None:
     )
 
 
+def complete_stage(ctx: typer.Context, incomplete: str) -> list[str]:
+    """Shell completion of --stage: the stages (operators) of the checkpoint or savepoint
+    already given (of a job directory: its latest completed checkpoint), storage options from
+    ``$CHECKPOINTS_STORAGE_OPTIONS``. Nothing when it cannot be read."""
+    # `--stage` still waiting for its value stops the parse: the words typed before it are
+    # left in ctx.args, unassigned
+    pointer = ctx.params.get("pointer") or next(iter(ctx.args), None)
+    if not pointer:
+        return []
+    try:
+        options = storage_options(None)
+        where = location(pointer)
+        latest = None if where.rstrip("/").rpartition("/")[2].startswith("chk-") else (
+            latest_checkpoint(where, storage_options=options)
+        )
+        completed = resolve_checkpoint_pointer(latest or where, options)
+        stages = [op.operator_id for op in completed.load_metadata().operator_states]
+    except Exception:  # noqa: BLE001 - completion offers what it can, never an error
+        return []
+    return [stage for stage in stages if stage.startswith(incomplete)]
+
+
 def read_command(
-    pointer: Annotated[str, typer.Argument(metavar="POINTER_OR_JOB", show_default=False)],
+    pointer: Annotated[
+        str,
+        typer.Argument(
+            metavar="POINTER_OR_JOB", show_default=False, autocompletion=complete_location
+        ),
+    ],
     stage: Annotated[
-        str, typer.Option("--stage", metavar="NAME", help="the stage whose state to read")
+        str,
+        typer.Option(
+            "--stage", metavar="NAME", help="the stage whose state to read",
+            autocompletion=complete_stage,
+        ),
     ],
     as_of: Annotated[
         str | None,
@@ -129,6 +166,10 @@ def _read(
     options: dict,
     as_of: str | None = None,
 ) -> None:
+    import pyarrow.csv as pacsv
+
+    from pipelines.state_reader import open_snapshot
+
     if sum((json_output, csv_output, parquet is not None)) > 1:
         raise UsageError("choose one of --json, --csv and --parquet")
     conditions = _where(where)
@@ -157,6 +198,8 @@ def partition_end_pointer(pointer_or_job: str, partition: str, options: Mapping)
     ``pointer_or_job`` (a checkpoint's ``chk-<id>`` stands for its job directory);
     ``CheckpointNotFoundError`` naming the partition ends retained there when there is
     none."""
+    from pipelines.runner import SourcePosition
+
     parent, _, name = pointer_or_job.rstrip("/").rpartition("/")
     job = parent if parent and name.startswith("chk-") and name[4:].isdigit() else pointer_or_job
     ends: dict[str, tuple[int, str]] = {}
@@ -187,7 +230,9 @@ def _where(items: Iterable[str] | None) -> dict[str, str]:
     return conditions
 
 
-def _write_parquet(table: pa.Table, url: str, options: Mapping) -> None:
+def _write_parquet(table: "pa.Table", url: str, options: Mapping) -> None:
+    import pyarrow.parquet as pq
+
     fs, path = url_to_fs(url, dict(options))
     if fs.exists(path):
         raise UsageError(f"--parquet {url} exists: remove it or choose another path")
@@ -195,7 +240,9 @@ def _write_parquet(table: pa.Table, url: str, options: Mapping) -> None:
         pq.write_table(table, f)
 
 
-def _print_rows(snapshot: PipelineSnapshot, stage: str, table: pa.Table, limit: int) -> None:
+def _print_rows(snapshot: "PipelineSnapshot", stage: str, table: "pa.Table", limit: int) -> None:
+    import pyarrow as pa
+
     kind = "savepoint" if snapshot.is_savepoint else "checkpoint"
     echo(f"stage {stage} of pipeline {snapshot.pipeline_name}, {kind} {snapshot.checkpoint_id}")
     numeric = [
@@ -218,7 +265,7 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def rows_as_json(table: pa.Table) -> Iterable[str]:
+def rows_as_json(table: "pa.Table") -> Iterable[str]:
     """One JSON object per row: times in ISO 8601, decimals as strings, bytes as hex."""
     for row in table.to_pylist():
         yield json.dumps(row, default=_text, ensure_ascii=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from checkpoint_storage import format_age, format_size
+from checkpoint_storage.spi import format_age, format_size
 from pipelines import SourcePosition, job_id_for
 from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
 from sensors import INTERRUPTED_TAG, RetainedSnapshot, retained_snapshots

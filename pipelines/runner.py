@@ -28,32 +28,34 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
+    CheckpointMetadata,
+    CheckpointNotFoundError,
+    CheckpointRetentionPolicy,
+    CheckpointStorage,
+    CommitStateUnknownError,
+    InvalidCheckpointError,
+    JobID,
+    RestoreMode,
+    VerificationProblem,
+    url_to_fs,
+)
+from checkpoint_storage.exceptions import CheckpointAlreadyExistsError
+from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
     STATE_SCHEMA_PREFIX,
     AlsoRetained,
-    CheckpointAlreadyExistsError,
-    CheckpointMetadata,
-    CheckpointNotFoundError,
     CheckpointProperties,
-    CheckpointRetentionPolicy,
-    CheckpointStorage,
     CheckpointStorageLocation,
-    CommitStateUnknownError,
     CompletedCheckpoint,
     CompletedCheckpointStorageLocation,
     FileSystemCompletedCheckpointStore,
-    InvalidCheckpointError,
-    JobID,
     OperatorState,
     OperatorSubtaskState,
-    RestoreMode,
     StreamStateHandle,
-    VerificationProblem,
     format_size,
     store_checkpoint_metadata,
-    url_to_fs,
     verify_state_handles,
 )
 from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
@@ -75,8 +77,6 @@ from pipelines.state_io import (
 )
 
 __all__ = [
-    "PIPELINE_NAME_STATE",
-    "POSITION_STATE",
     "SCHEDULED_SAVEPOINTS",
     "BatchListChangedError",
     "CheckpointSummary",
@@ -101,11 +101,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The master states every checkpoint of a pipeline carries, under checkpoint_storage's
-# well-known names (which the `checkpoints` command decodes).
-POSITION_STATE = SOURCE_POSITION_STATE
-PIPELINE_NAME_STATE = JOB_NAME_STATE
-SCHEMA_STATE_PREFIX = STATE_SCHEMA_PREFIX
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
 
@@ -159,7 +154,7 @@ class SourcePosition:
 
     @classmethod
     def of(cls, metadata: CheckpointMetadata) -> "SourcePosition":
-        data = metadata.master_states.get(POSITION_STATE)
+        data = metadata.master_states.get(SOURCE_POSITION_STATE)
         if data is None:
             raise InvalidCheckpointError(
                 f"checkpoint {metadata.checkpoint_id} has no source position: it was not "
@@ -426,6 +421,10 @@ def check_restore_from(
 
 @dataclass(frozen=True)
 class CheckpointSummary:
+    """A checkpoint (or savepoint) the runner completed: its id and pointer, the position its
+    state is at, its state size in bytes, the state files it wrote and the states it kept
+    inline in `_metadata`, and its rows per stage."""
+
     checkpoint_id: int
     pointer: str
     position: SourcePosition
@@ -443,6 +442,10 @@ class CheckpointSummary:
 
 @dataclass
 class PartitionResult:
+    """What running one partition did: the snapshot it restored from (None: empty state),
+    the batches it applied, its last checkpoint and every checkpoint it took, the rows each
+    stage (and the source) handled, and how long it took in seconds."""
+
     partition: str
     restored_from: str | None
     batches_applied: int
@@ -933,8 +936,8 @@ class StatefulRunner:
         properties: CheckpointProperties,
     ) -> tuple[CheckpointSummary, CompletedCheckpointStorageLocation, CheckpointMetadata]:
         master = {
-            POSITION_STATE: position.to_bytes(),
-            PIPELINE_NAME_STATE: self.pipeline.name.encode(),
+            SOURCE_POSITION_STATE: position.to_bytes(),
+            JOB_NAME_STATE: self.pipeline.name.encode(),
         }
         operator_states = []
         state_rows, expired_rows = {}, {}
@@ -979,7 +982,7 @@ class StatefulRunner:
                 )
                 state_rows[stage.name] = sum(row["rows"] for row in written)
                 expired_rows[stage.name] = 0
-                master[SCHEMA_STATE_PREFIX + stage.name] = schema.serialize().to_pybytes()
+                master[STATE_SCHEMA_PREFIX + stage.name] = schema.serialize().to_pybytes()
             metadata = CheckpointMetadata(
                 checkpoint_id,
                 tuple(operator_states),
@@ -1057,7 +1060,7 @@ class StatefulRunner:
                     f"{stage.name!r} (it has {sorted(operators)})"
                 )
             schema = to_arrow_schema(stage.state_schema, timezone="UTC")
-            stored = metadata.master_states.get(SCHEMA_STATE_PREFIX + stage.name)
+            stored = metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name)
             if stored is not None:
                 stored_schema = pa.ipc.read_schema(pa.py_buffer(stored))
                 if stored_schema.names != schema.names:

@@ -13,9 +13,9 @@ import pyarrow as pa
 from pyspark import TaskContext
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from checkpoint_storage import (
+from checkpoint_storage import CheckpointStorage
+from checkpoint_storage.spi import (
     CheckpointedStateScope,
-    CheckpointStorage,
     CheckpointStorageLocationReference,
     StreamStateHandle,
 )

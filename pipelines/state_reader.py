@@ -32,15 +32,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from checkpoint_storage import (
+from checkpoint_storage import CheckpointMetadata, InvalidCheckpointError
+from checkpoint_storage.exceptions import StateIntegrityError
+from checkpoint_storage.spi import (
     JOB_NAME_STATE,
     STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
-    CheckpointMetadata,
-    InvalidCheckpointError,
     OperatorState,
     OperatorSubtaskState,
-    StateIntegrityError,
     StreamStateHandle,
     resolve_checkpoint_pointer,
 )
@@ -59,9 +58,7 @@ from pipelines.keyed import (
 )
 
 __all__ = [
-    "CHAIN_FORMAT",
     "DATAFRAME_STATE",
-    "STATE_FORMAT_PREFIX",
     "STATE_FORMATS",
     "PipelineSnapshot",
     "StateFormat",

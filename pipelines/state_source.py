@@ -19,7 +19,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
-from checkpoint_storage import options_with_environment
+from checkpoint_storage.spi import options_with_environment
 from pipelines.state_reader import StatePart, open_snapshot, read_state_part
 from resources import on_session_created
 

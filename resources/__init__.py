@@ -12,7 +12,6 @@ __all__ = [
     "SparkResource",
     "build_spark_session",
     "on_session_created",
-    "refuse_credentials",
 ]
 
 _MODULES = {
@@ -21,7 +20,6 @@ _MODULES = {
     "SparkResource": "resources.spark",
     "build_spark_session": "resources.spark",
     "on_session_created": "resources._session",
-    "refuse_credentials": "checkpoint_storage",
 }
 
 

@@ -4,15 +4,15 @@ handing out plain ``checkpoint_storage`` objects."""
 from dagster import ConfigurableResource
 from pydantic import field_validator
 
-from checkpoint_storage import (
+from checkpoint_storage import FileSystemCheckpointStorage
+from checkpoint_storage.spi import (
     DEFAULT_FILE_STATE_THRESHOLD,
     DEFAULT_MAX_FILE_SIZE,
     DEFAULT_WRITE_BUFFER_SIZE,
-    FileSystemCheckpointStorage,
     refuse_credentials,
 )
 
-__all__ = ["CheckpointStorageResource", "refuse_credentials"]
+__all__ = ["CheckpointStorageResource"]
 
 class CheckpointStorageResource(ConfigurableResource):
     """Where and how the pipelines checkpoint (Flink's ``state.checkpoints.dir`` and friends).

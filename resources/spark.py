@@ -8,11 +8,10 @@ from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
-from resources._session import SESSION_SETUPS, on_session_created
+from resources._session import SESSION_SETUPS
 
-__all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session", "on_session_created"]
+__all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
 
-# Settings this project's pipelines rely on; `conf` overrides them.
 DEFAULT_SPARK_CONF: dict[str, str] = {
     # Arrow batches between the JVM and the Python workers that write and read state:
     # benchmarks/stage_checkpoint.py sweeps 10k-200k; 50k-200k are alike, and 10,000 (Spark's
@@ -24,6 +23,7 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
     "spark.log.level": "WARN",
 }
+"""Settings this project's pipelines rely on; a ``SparkResource``'s ``conf`` overrides them."""
 
 
 def build_spark_session(

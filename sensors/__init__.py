@@ -22,27 +22,19 @@ Per pipeline ``<name>``:
 
 Stop any of them in the UI (Automation) or with ``dagster schedule stop`` / ``dagster sensor
 stop``.
+
+``__all__`` is what a Dagster definitions author needs: the factory and component, the
+builders of each definition, the run config and policies, and the tags and names a run or
+an automation condition refers to. The sensors' decision functions and the test seams stay
+importable from here, outside ``__all__``.
 """
 
-from sensors._assets import (
-    FAULT_INJECTION_ENV,
-    FAULT_TAG,
-    INTEGRITY_CHECK,
-    StatefulRunConfig,
-    build_stateful_assets,
-    integrity_check_result,
-    pool_for,
-    runner_for,
-    sink_asset_key,
-)
+
+import importlib
+
+from sensors._assets import INTEGRITY_CHECK, StatefulRunConfig, build_stateful_assets, pool_for
 from sensors._definitions import pipeline_definitions
-from sensors._retained import (
-    RETAINED_METADATA_KEY,
-    RetainedSnapshot,
-    retained_metadata,
-    retained_snapshots,
-    retained_table,
-)
+from sensors._retained import RetainedSnapshot, retained_snapshots
 from sensors.component import ImportReference, PartitionsSpec, StatefulPipelineComponent
 from sensors.recovery import (
     INTERRUPTED_TAG,
@@ -50,68 +42,81 @@ from sensors.recovery import (
     RECOVERY_OF_TAG,
     RECOVERY_ROOT_TAG,
     build_recovery_sensor,
-    dead_run_reason,
-    fail_dead_runs,
-    plan_recovery,
-    recovery_decisions,
 )
 from sensors.retention import (
     RetentionPolicy,
     RetentionReport,
     apply_retention,
     build_retention_sensor,
-    savepoints_in_use,
-    work_in_progress,
 )
 from sensors.savepoints import (
     SAVEPOINT_KIND_TAG,
     SavepointConfig,
     build_savepoint_job,
     build_savepoint_schedule,
-    savepoint_cron_for,
-    savepoint_run_request,
-    savepoint_target,
 )
 
 __all__ = [
-    "FAULT_INJECTION_ENV",
-    "FAULT_TAG",
-    "INTEGRITY_CHECK",
-    "INTERRUPTED_TAG",
-    "RECOVERY_ATTEMPT_TAG",
-    "RECOVERY_OF_TAG",
-    "RECOVERY_ROOT_TAG",
-    "RETAINED_METADATA_KEY",
-    "SAVEPOINT_KIND_TAG",
-    "RetentionPolicy",
-    "RetainedSnapshot",
-    "RetentionReport",
+    # a pipeline's definitions, from Python or from defs.yaml
     "ImportReference",
     "PartitionsSpec",
-    "SavepointConfig",
     "StatefulPipelineComponent",
-    "StatefulRunConfig",
-    "apply_retention",
+    "pipeline_definitions",
+    # each definition on its own
     "build_recovery_sensor",
     "build_retention_sensor",
     "build_savepoint_job",
     "build_savepoint_schedule",
     "build_stateful_assets",
-    "dead_run_reason",
-    "fail_dead_runs",
-    "integrity_check_result",
-    "pipeline_definitions",
-    "plan_recovery",
-    "recovery_decisions",
-    "retained_metadata",
-    "retained_snapshots",
-    "retained_table",
+    # configuration
+    "RetentionPolicy",
+    "SavepointConfig",
+    "StatefulRunConfig",
+    # names runs and checks carry
+    "INTEGRITY_CHECK",
+    "INTERRUPTED_TAG",
+    "RECOVERY_ATTEMPT_TAG",
+    "RECOVERY_OF_TAG",
+    "RECOVERY_ROOT_TAG",
+    "SAVEPOINT_KIND_TAG",
     "pool_for",
-    "runner_for",
-    "savepoint_cron_for",
-    "savepoint_run_request",
-    "savepoint_target",
-    "savepoints_in_use",
-    "sink_asset_key",
-    "work_in_progress",
+    # what a pipeline retains, and retention by hand
+    "RetainedSnapshot",
+    "RetentionReport",
+    "apply_retention",
+    "retained_snapshots",
 ]
+
+# Names outside __all__ that this package exported before: where each one lives. The fault
+# injection seams (FAULT_INJECTION_ENV, FAULT_TAG) are for tests only.
+_ELSEWHERE = {
+    "FAULT_INJECTION_ENV": "sensors._assets",
+    "FAULT_TAG": "sensors._assets",
+    "integrity_check_result": "sensors._assets",
+    "runner_for": "sensors._assets",
+    "sink_asset_key": "sensors._assets",
+    "RETAINED_METADATA_KEY": "sensors._retained",
+    "retained_metadata": "sensors._retained",
+    "retained_table": "sensors._retained",
+    "dead_run_reason": "sensors.recovery",
+    "fail_dead_runs": "sensors.recovery",
+    "plan_recovery": "sensors.recovery",
+    "recovery_decisions": "sensors.recovery",
+    "savepoints_in_use": "sensors.retention",
+    "work_in_progress": "sensors.retention",
+    "savepoint_cron_for": "sensors.savepoints",
+    "savepoint_run_request": "sensors.savepoints",
+    "savepoint_target": "sensors.savepoints",
+}
+
+
+def __getattr__(name: str):
+    if name not in _ELSEWHERE:
+        raise AttributeError(f"module 'sensors' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ELSEWHERE})

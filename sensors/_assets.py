@@ -18,19 +18,11 @@ from checkpoint_storage import (
     CheckpointNotFoundError,
     InvalidCheckpointError,
     RestoreMode,
-    StreamStateHandle,
-    format_size,
     list_checkpoints,
-    verify_state_handles,
 )
-from pipelines import (
-    CheckpointSummary,
-    PartitionResult,
-    StatefulPipeline,
-    StatefulRunner,
-    check_restore_from,
-    damaged_state,
-)
+from checkpoint_storage.spi import StreamStateHandle, format_size, verify_state_handles
+from pipelines import CheckpointSummary, PartitionResult, StatefulPipeline, StatefulRunner
+from pipelines.runner import check_restore_from, damaged_state
 from resources import CheckpointStorageResource, SparkResource
 from sensors._retained import WITHOUT_METADATA, retained_metadata
 from sensors.recovery import run_lease_owner
@@ -57,6 +49,7 @@ __all__ = [
 FAULT_INJECTION_ENV = "PIPELINE_FAULT_INJECTION"
 FAULT_TAG = "test/fail_after_batch"
 INTEGRITY_CHECK = "checkpoint_integrity"
+"""The name of the asset check that verifies a pipeline's checkpoint."""
 
 
 class InjectedFault(RuntimeError):

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 import dagster as dg
 
 from checkpoint_storage import (
-    SOURCE_POSITION_STATE,
     CheckpointInfo,
     FileSystemCheckpointStorage,
     InvalidCheckpointError,
-    format_age,
-    format_size,
     list_checkpoints,
 )
-from pipelines import SCHEDULED_SAVEPOINTS, SourcePosition, job_id_for
+from checkpoint_storage.spi import SOURCE_POSITION_STATE, format_age, format_size
+from pipelines import SourcePosition, job_id_for
+from pipelines.runner import SCHEDULED_SAVEPOINTS
 
 __all__ = [
     "RETAINED_METADATA_KEY",

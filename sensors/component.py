@@ -40,15 +40,8 @@ from typing import Annotated, Any
 import dagster as dg
 from pydantic import Field
 
-from pipelines import (
-    DEFAULT_MAX_PARALLELISM,
-    KeyedStage,
-    MaterialisationPolicy,
-    Sink,
-    Source,
-    Stage,
-    StatefulPipeline,
-)
+from pipelines import KeyedStage, MaterialisationPolicy, Sink, Source, Stage, StatefulPipeline
+from pipelines.keyed import DEFAULT_MAX_PARALLELISM
 from sensors._definitions import pipeline_definitions
 
 __all__ = ["ImportReference", "PartitionsSpec", "StatefulPipelineComponent"]

@@ -94,8 +94,11 @@ __all__ = [
 ]
 
 RECOVERY_ROOT_TAG = "recovery/root_run_id"
+"""Set on a recovery run: the id of the first failed run of its chain of recoveries."""
 RECOVERY_ATTEMPT_TAG = "recovery/attempt"
+"""Set on a recovery run: its attempt number within its chain (1 for the first)."""
 RECOVERY_OF_TAG = "recovery/of_run_id"
+"""Set on a recovery run: the id of the failed run it recovers."""
 INTERRUPTED_TAG = "recovery/interrupted"
 """Set on a run its user stopped (Ctrl-C in ``scripts/run``): its failure is not recovered."""
 # How far back a tick looks: the newest runs of the instance (all jobs) it reads each tick.

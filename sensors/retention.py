@@ -62,19 +62,22 @@ from dataclasses import dataclass, field
 import dagster as dg
 
 from checkpoint_storage import (
-    AlsoRetained,
     CheckpointInfo,
     CheckpointRetentionPolicy,
-    FileStateHandle,
     FileSystemCheckpointStorage,
-    FileSystemCompletedCheckpointStore,
     GarbageCollectionResult,
     collect_garbage,
     dispose_savepoint,
-    format_size,
     list_checkpoints,
 )
-from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for, position_retention
+from checkpoint_storage.spi import (
+    AlsoRetained,
+    FileStateHandle,
+    FileSystemCompletedCheckpointStore,
+    format_size,
+)
+from pipelines import StatefulPipeline, job_id_for
+from pipelines.runner import SCHEDULED_SAVEPOINTS, position_retention
 from resources import CheckpointStorageResource
 from sensors._retained import RETAINED_METADATA_KEY, retained_snapshots, retained_table
 
@@ -127,6 +130,11 @@ class RetentionPolicy:
 
 @dataclass
 class RetentionReport:
+    """What ``apply_retention`` deleted: the checkpoints beyond the retained ones, the garbage
+    collector's result, the savepoints beyond the newest K (and their bytes), the savepoints
+    kept because they are in use (pointer -> why), and why retention was deferred (None: it
+    was not)."""
+
     subsumed_checkpoints: list[str] = field(default_factory=list)
     garbage: GarbageCollectionResult = field(default_factory=GarbageCollectionResult)
     deleted_savepoints: list[str] = field(default_factory=list)

@@ -36,8 +36,9 @@ import os
 
 import dagster as dg
 
-from checkpoint_storage import format_size
-from pipelines import SCHEDULED_SAVEPOINTS, StatefulPipeline, job_id_for
+from checkpoint_storage.spi import format_size
+from pipelines import StatefulPipeline, job_id_for
+from pipelines.runner import SCHEDULED_SAVEPOINTS
 from resources import CheckpointStorageResource, SparkResource
 from sensors._assets import expired_rows_metadata, pool_for, runner_for
 from sensors._retained import retained_metadata
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SAVEPOINT_CRON = "0 3 * * *"
 SAVEPOINT_KIND_TAG = "savepoint/kind"
+"""The tag of a savepoint job's runs: ``scheduled`` (the schedule's) or ``hand-made``."""
 # How long after a partition closes its savepoint is taken (capped at half a period): time
 # for the partition's run to finish, so the savepoint holds the partition's end.
 SAVEPOINT_DELAY = dt.timedelta(hours=3)

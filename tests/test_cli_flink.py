@@ -50,6 +50,29 @@ def test_list_shows_every_flink_checkpoint_and_savepoint(scratch: Path) -> None:
     assert text.returncode == 0 and "Apache Flink" in text.stdout and "chk-5" in text.stdout
 
 
+def test_list_relative_shows_flinks_pointers_relative_to_dir(scratch: Path) -> None:
+    """``list --relative`` of Flink's directories: pointers below DIR, as for this library's."""
+    ran = run("list", scratch, "--relative", "--json")
+    assert ran.returncode == 0, ran.stderr
+    pointers = {r["pointer"] for r in json.loads(ran.stdout)}
+    assert f"ckpts/{ORIGINAL}/chk-5" in pointers
+    assert "savepoints/savepoint-609553-3e06fb282423" in pointers
+    assert not any(p.startswith("/") for p in pointers)
+
+
+def test_flink_is_a_command_group_and_the_help_of_list_inspect_verify_names_it() -> None:
+    """``orphans`` and ``read-flink`` come from the command group ``checkpoint_storage.cli.flink``;
+    ``list``, ``inspect`` and ``verify`` say in their help that they read Flink's directories
+    and take ``--remap``."""
+    from checkpoint_storage.cli import COMMAND_GROUPS, flink
+
+    assert flink in COMMAND_GROUPS
+    assert {"orphans", "read-flink"} <= set(run("--help").stdout.split())
+    for command in ("list", "inspect", "verify"):
+        shown = " ".join(run(command, "--help").stdout.split())
+        assert "Apache Flink" in shown and "--remap" in shown, command
+
+
 def test_inspect_shows_operators_handles_inline_and_file_bytes(scratch: Path) -> None:
     chk = scratch / "ckpts" / RESTORED / "chk-8"
     ran = run("inspect", chk, "--json", *remap(scratch))

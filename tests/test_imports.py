@@ -34,6 +34,20 @@ def test_checkpoint_storage_imports_neither_dagster_nor_pyspark():
     assert [] == [m for m in modules if m.split(".")[0].startswith(("dagster", "pyspark"))]
 
 
+def test_the_package_and_the_cli_load_the_flink_reader_only_when_asked():
+    """Importing checkpoint_storage and its CLI (what ``checkpoints --help`` and ``list``
+    start with) loads no module of the Flink reader; asking the package for one of its names
+    does."""
+    modules = _modules_after_import("checkpoint_storage.cli")
+    asked = _modules_after_import("checkpoint_storage; checkpoint_storage.find_orphans")
+
+    assert "checkpoint_storage.cli.flink" in modules
+    flink_reader = ("checkpoint_storage.flink", "checkpoint_storage._flink")
+    reader = [m for m in modules if m.startswith(flink_reader)]
+    assert [] == reader
+    assert {"checkpoint_storage.flink", "checkpoint_storage._flink_orphans"} <= set(asked)
+
+
 def test_executors_importing_pipelines_load_no_dagster():
     """What a Spark Python worker imports to run a keyed stage (the ``pipelines`` package)
     loads no dagster module: workers start without its second of imports."""
@@ -93,3 +107,76 @@ def test_the_import_check_sees_private_imports(tmp_path):
 
     assert ["checkpoint_storage._filesystems", "checkpoint_storage._filesystems.url_to_fs",
             "dagster._core.storage.tags"] == flagged
+
+
+PACKAGES = ("checkpoint_storage", *LAYERS)
+
+
+def _surface_violations(path: Path, own: str) -> list[str]:
+    """Imports in ``path`` (of package ``own``) of another project package that bypass its
+    declared surface: a private module, or a name outside the ``__all__`` of the public module
+    it comes from (``checkpoint_storage``, ``checkpoint_storage.spi``, ``pipelines.runner``...).
+    A public submodule imported by name (``from pipelines import state_io``) is its own
+    surface."""
+    import ast
+    import importlib
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            imported = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported = [(node.module, alias.name) for alias in node.names]
+        else:
+            continue
+        for module, name in imported:
+            package = module.split(".")[0]
+            if package not in PACKAGES or package == own:
+                continue
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+            where = f"{shown}:{node.lineno}"
+            if any(part.startswith("_") for part in module.split(".")):
+                found.append(f"{where}: {module} is private")
+                continue
+            if name is None:
+                continue
+            exported = importlib.import_module(module)
+            submodule = getattr(exported, name, None)
+            if getattr(submodule, "__name__", None) == f"{module}.{name}" and not name.startswith(
+                    "_"):
+                continue
+            if name not in getattr(exported, "__all__", ()):
+                found.append(f"{where}: {name} is not in {module}.__all__")
+    return found
+
+
+def test_packages_import_each_other_through_their_declared_surfaces():
+    """checkpoint_storage, pipelines, resources and sensors import each other only through
+    names in a public module's ``__all__``: a package's own (what its users need),
+    ``checkpoint_storage.spi`` (the storage layer's extension points) or a documented module
+    below a package (``checkpoint_storage.exceptions``, ``pipelines.runner``, ...). A name that
+    is importable for old code but outside every ``__all__`` is not for the project's layers."""
+    offending = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            offending += _surface_violations(path, package)
+
+    assert [] == offending
+
+
+def test_the_surface_check_sees_names_outside_all(tmp_path):
+    """The check above flags a name a package keeps importable outside ``__all__``, and a
+    private module; it passes ``__all__`` names, spi names and public submodules."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from checkpoint_storage import OperatorState, FileSystemCheckpointStorage\n"
+        "from checkpoint_storage.spi import OperatorState\n"
+        "from pipelines import check_restore_from, state_io\n"
+        "import checkpoint_storage._metadata\n"
+    )
+
+    found = _surface_violations(sample, "sensors")
+
+    assert ["sample.py:1: OperatorState is not in checkpoint_storage.__all__",
+            "sample.py:3: check_restore_from is not in pipelines.__all__",
+            "sample.py:4: checkpoint_storage._metadata is private"] == found

@@ -1,128 +1,121 @@
 """Keyed state (Flink's keyed state with incremental checkpoints), independent of Spark.
 
-A ``KeyedStage`` declares key columns, a state schema, an optional ``StateTtl`` and a
-vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
-``compute_key_group_range_for_operator_index``); each task keeps its range in a local
-``KeyedStateStore`` and writes its changes per batch as SHARED-scope change files;
-``KeyedStateChain`` records, per range, the latest materialisation and the change files since.
-``apply_keyed_batch`` and ``materialise_keyed_state`` run a keyed stage on Spark executors.
-See docs/design.md, "Keyed state".
+A ``pipelines.KeyedStage`` declares key columns, a state schema, an optional ``StateTtl`` and
+a vectorised Arrow function; a pipeline's author needs nothing from here. This package is
+for those who look below a keyed stage: keys map to key groups (``assign_key_groups``,
+``KeyGroupRange``, ``compute_key_group_range_for_operator_index``); each task keeps its range
+in a local ``KeyedStateStore`` (``local_store_directory``, ``sweep_idle_stores``) and writes
+its changes per batch as SHARED-scope change files; ``KeyedStateChain`` records, per range,
+the latest materialisation and the change files since (``chains_from_operator_state``,
+``read_change_file``, ``read_materialisation``, ``replay_chains``). See docs/design.md,
+"Keyed state".
+
+The runner's machinery (``KeyedStageDriver``, ``apply_keyed_batch``,
+``materialise_keyed_state``, the writers of change files and materialisations, ...) and the
+stage types ``pipelines`` exports stay importable from here, outside ``__all__``.
 """
 
+import importlib
+
+from pipelines.keyed._aggregates import Aggregate, Aggregates, agg
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
     KeyedStateChain,
     KeyedStateFormatError,
     chains_from_operator_state,
-    chains_to_operator_state,
     decode_keyed_master_state,
-    encode_keyed_master_state,
     read_change_file,
     read_materialisation,
-    rebuild_store,
     replay_chains,
-    write_change_file,
-    write_materialisation,
 )
-from pipelines.keyed._driver import KeyedStageDriver, KeyedStageState
 from pipelines.keyed._key_groups import (
     DEFAULT_MAX_PARALLELISM,
-    KEY_HASH,
     UPPER_BOUND_MAX_PARALLELISM,
     KeyGroupRange,
     assign_key_groups,
     compute_key_group_range_for_operator_index,
     compute_operator_index_for_key_group,
-    hash_keys,
-    last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
-from pipelines.keyed._spark import (
-    DEFAULT_LOCAL_STORE_MAX_AGE,
-    OPERATOR_INDEX,
-    ChainRef,
-    KeyedBatch,
-    KeyedRangeResult,
-    KeyedStageTask,
-    MaterialisationPolicy,
-    apply_keyed_batch,
-    chain_version,
-    extend_chains,
-    local_store_directory,
-    materialise_keyed_state,
-    ranges_to_materialise,
-    read_keyed_state,
-    rematerialise_from_local_stores,
-    sweep_idle_stores,
-)
-from pipelines.keyed._stage import (
-    KeyedResult,
-    KeyedStage,
-    StateTtl,
-    TtlTimeCharacteristic,
-    key_type_fits,
-)
-from pipelines.keyed._store import (
-    ArrowKeyedStateStore,
-    KeyedStateStore,
-    LocalStoreError,
-    forget_verified_files,
-    remove_store,
-)
+from pipelines.keyed._spark import local_store_directory, sweep_idle_stores
+from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
 
 __all__ = [
-    "CHAIN_FORMAT",
-    "DEFAULT_LOCAL_STORE_MAX_AGE",
+    # declarative aggregates
+    "Aggregate",
+    "Aggregates",
+    "agg",
+    # key groups
     "DEFAULT_MAX_PARALLELISM",
-    "KEYED_STATE_PREFIX",
     "KEY_GROUP",
-    "KEY_HASH",
-    "OPERATOR_INDEX",
     "UPPER_BOUND_MAX_PARALLELISM",
-    "ArrowKeyedStateStore",
-    "ChainRef",
-    "KeyedBatch",
-    "KeyedRangeResult",
     "KeyGroupRange",
-    "KeyedResult",
-    "KeyedStage",
-    "KeyedStageTask",
-    "KeyedStageDriver",
-    "KeyedStageState",
+    "assign_key_groups",
+    "compute_key_group_range_for_operator_index",
+    "compute_operator_index_for_key_group",
+    # keyed state in checkpoints
+    "CHAIN_FORMAT",
+    "KEYED_STATE_PREFIX",
     "KeyedStateChain",
     "KeyedStateFormatError",
     "KeyedStateLayout",
+    "chains_from_operator_state",
+    "decode_keyed_master_state",
+    "read_change_file",
+    "read_materialisation",
+    "replay_chains",
+    # local stores
+    "ArrowKeyedStateStore",
     "KeyedStateStore",
     "LocalStoreError",
-    "MaterialisationPolicy",
-    "StateTtl",
-    "TtlTimeCharacteristic",
-    "apply_keyed_batch",
-    "assign_key_groups",
-    "chain_version",
-    "chains_from_operator_state",
-    "chains_to_operator_state",
-    "compute_key_group_range_for_operator_index",
-    "compute_operator_index_for_key_group",
-    "decode_keyed_master_state",
-    "encode_keyed_master_state",
-    "extend_chains",
-    "forget_verified_files",
-    "hash_keys",
-    "key_type_fits",
-    "last_per_key",
     "local_store_directory",
-    "materialise_keyed_state",
-    "ranges_to_materialise",
-    "read_change_file",
-    "read_keyed_state",
-    "read_materialisation",
-    "rebuild_store",
-    "rematerialise_from_local_stores",
-    "remove_store",
-    "replay_chains",
     "sweep_idle_stores",
-    "write_change_file",
-    "write_materialisation",
 ]
+
+# Names outside __all__ that this package exported before: where each one lives.
+_ELSEWHERE = {
+    "chains_to_operator_state": "pipelines.keyed._chain",
+    "encode_keyed_master_state": "pipelines.keyed._chain",
+    "rebuild_store": "pipelines.keyed._chain",
+    "write_change_file": "pipelines.keyed._chain",
+    "write_materialisation": "pipelines.keyed._chain",
+    "KeyedStageDriver": "pipelines.keyed._driver",
+    "KeyedStageState": "pipelines.keyed._driver",
+    "KEY_HASH": "pipelines.keyed._key_groups",
+    "hash_keys": "pipelines.keyed._key_groups",
+    "last_per_key": "pipelines.keyed._key_groups",
+    "DEFAULT_LOCAL_STORE_MAX_AGE": "pipelines.keyed._spark",
+    "OPERATOR_INDEX": "pipelines.keyed._spark",
+    "ChainRef": "pipelines.keyed._spark",
+    "KeyedBatch": "pipelines.keyed._spark",
+    "KeyedRangeResult": "pipelines.keyed._spark",
+    "KeyedStageTask": "pipelines.keyed._spark",
+    "MaterialisationPolicy": "pipelines.keyed._spark",
+    "apply_keyed_batch": "pipelines.keyed._spark",
+    "chain_version": "pipelines.keyed._spark",
+    "extend_chains": "pipelines.keyed._spark",
+    "materialise_keyed_state": "pipelines.keyed._spark",
+    "ranges_to_materialise": "pipelines.keyed._spark",
+    "read_keyed_state": "pipelines.keyed._spark",
+    "rematerialise_from_local_stores": "pipelines.keyed._spark",
+    "KeyedResult": "pipelines.keyed._stage",
+    "KeyedStage": "pipelines.keyed._stage",
+    "StateTtl": "pipelines.keyed._stage",
+    "TtlTimeCharacteristic": "pipelines.keyed._stage",
+    "key_type_fits": "pipelines.keyed._stage",
+    "forget_verified_files": "pipelines.keyed._store",
+    "remove_store": "pipelines.keyed._store",
+}
+
+
+def __getattr__(name: str):
+    if name not in _ELSEWHERE:
+        raise AttributeError(f"module 'pipelines.keyed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ELSEWHERE})

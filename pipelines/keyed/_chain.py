@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from checkpoint_storage import (
+from checkpoint_storage.spi import (
     ByteStreamStateHandle,
     CheckpointedStateScope,
     CheckpointStreamFactory,
@@ -74,6 +74,8 @@ __all__ = [
 ]
 
 CHAIN_FORMAT = "keyed-v1"
+"""The ``state-format/<stage>`` master state of a keyed stage: its state is chains of
+change files and materialisations."""
 DELETED = "_deleted"
 _META_KEY = b"keyed_state"
 _CHANGE = "change"

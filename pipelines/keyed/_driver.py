@@ -15,14 +15,12 @@ from dataclasses import dataclass, replace
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 
-from checkpoint_storage import (
+from checkpoint_storage import CheckpointMetadata, CheckpointStorage, InvalidCheckpointError
+from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
     STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
-    CheckpointMetadata,
-    CheckpointStorage,
     CheckpointStorageLocationReference,
-    InvalidCheckpointError,
     OperatorState,
 )
 from pipelines.keyed._chain import (

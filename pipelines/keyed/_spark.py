@@ -40,12 +40,11 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
-from checkpoint_storage import (
+from checkpoint_storage import CheckpointStorage, FileSystemCheckpointStorage
+from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
     ByteStreamStateHandle,
-    CheckpointStorage,
     CheckpointStorageLocationReference,
-    FileSystemCheckpointStorage,
     StreamStateHandle,
     SubtaskKey,
     is_appended_segment,

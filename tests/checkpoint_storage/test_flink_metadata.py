@@ -14,13 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoint_storage import (
-    FlinkMetadataError,
-    UnsafePathError,
-    parse_flink_metadata,
-    parse_remap,
-    read_flink_checkpoint,
-)
+from checkpoint_storage.exceptions import FlinkMetadataError, UnsafePathError
+from checkpoint_storage.flink import parse_flink_metadata, parse_remap, read_flink_checkpoint
 
 SAMPLES = Path(os.environ.get("FLINK_SAMPLES", "/work/shared/flink-samples"))
 SCRATCH = SAMPLES / "scratch"

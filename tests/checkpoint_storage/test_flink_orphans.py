@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_storage import (
-    OrphanDeletionRefusedError,
+from checkpoint_storage.exceptions import OrphanDeletionRefusedError
+from checkpoint_storage.flink import (
     delete_orphans,
     find_orphans,
     parse_remap,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_storage import FlinkMetadataError, read_flink_checkpoint
-from checkpoint_storage._flink_state import read_heap_value_rows
+from checkpoint_storage.exceptions import FlinkMetadataError
+from checkpoint_storage.flink import read_flink_checkpoint, read_heap_value_rows
 
 SAMPLES = Path(os.environ.get("FLINK_SAMPLES", "/work/shared/flink-samples"))
 SAVEPOINTS = SAMPLES / "scratch" / "savepoints"

@@ -19,8 +19,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage
+from checkpoint_storage.spi import SOURCE_POSITION_STATE
 from pipelines import (
-    POSITION_STATE,
     SOURCE,
     BatchListChangedError,
     FileSource,
@@ -714,7 +714,7 @@ def test_position_records_the_digest_of_the_applied_batches(partly_applied):
     their names), in `_metadata`'s source position."""
     storage = FileSystemCheckpointStorage(str(partly_applied / "chk"))
     runner = StatefulRunner(NoSpark(), storage, counts_pipeline(partly_applied))
-    raw = json.loads(runner.store.latest().metadata.master_states[POSITION_STATE])
+    raw = json.loads(runner.store.latest().metadata.master_states[SOURCE_POSITION_STATE])
     assert batches_digest(["batch-0.parquet", "batch-1.parquet"]) == raw["digest"]
 
 

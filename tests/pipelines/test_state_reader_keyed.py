@@ -28,6 +28,7 @@ from checkpoint_storage import (
     StateIntegrityError,
     store_checkpoint_metadata,
 )
+from checkpoint_storage.spi import STATE_FORMAT_PREFIX
 from pipelines import open_snapshot, read_state, register_checkpoint_source
 from pipelines.keyed import (
     CHAIN_FORMAT,
@@ -43,7 +44,6 @@ from pipelines.keyed import (
     write_change_file,
     write_materialisation,
 )
-from pipelines.state_reader import STATE_FORMAT_PREFIX
 from tests.pipelines.support import run_read_cli as run_cli
 
 pytestmark = pytest.mark.timeout(600)

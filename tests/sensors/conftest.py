@@ -12,7 +12,8 @@ from checkpoint_storage import (
     OperatorState,
     OperatorSubtaskState,
 )
-from pipelines import POSITION_STATE, SourcePosition, StatefulPipeline, job_id_for
+from checkpoint_storage.spi import SOURCE_POSITION_STATE
+from pipelines import SourcePosition, StatefulPipeline, job_id_for
 from pipelines.examples.click_events import NAME, click_events_pipeline
 from resources import CheckpointStorageResource
 from tests.pipelines import support
@@ -81,7 +82,7 @@ def write_snapshot(
     metadata = CheckpointMetadata(
         checkpoint_id,
         (OperatorState("user_activity", 1, subtask_states={0: OperatorSubtaskState((handle,))}),),
-        {POSITION_STATE: position.to_bytes()},
+        {SOURCE_POSITION_STATE: position.to_bytes()},
         properties,
         access.job_id,
         int(time.time() * 1000),

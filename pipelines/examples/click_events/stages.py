@@ -35,8 +35,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from pipelines import Stage
-from pipelines.keyed import KeyedResult, KeyedStage, StateTtl, TtlTimeCharacteristic
+from pipelines import KeyedResult, KeyedStage, Stage, StateTtl, TtlTimeCharacteristic, agg
 
 __all__ = [
     "DEDUPE_KEYED",
@@ -154,21 +153,6 @@ DEDUPE_OUTPUT_SCHEMA = pa.schema(
 DEDUPE_KEYED_STATE_SCHEMA = pa.schema(
     [pa.field("event_id", pa.string(), nullable=False), ("event_ts", _TS)]
 )
-USER_ACTIVITY_OUTPUT_SCHEMA = pa.schema(
-    [
-        ("user_id", pa.string()),
-        pa.field("event_count", pa.int64(), nullable=False),
-        ("amount_sum", pa.decimal128(22, 2)),
-        ("first_seen", _TS),
-        ("last_seen", _TS),
-    ]
-)
-"""The output of both user_activity stages: this input's per-user aggregates (a count is
-never null, in Spark's output too)."""
-USER_ACTIVITY_KEYED_STATE_SCHEMA = pa.schema(
-    [USER_ACTIVITY_OUTPUT_SCHEMA.field("user_id").with_nullable(False)]
-    + list(USER_ACTIVITY_OUTPUT_SCHEMA)[1:]
-)
 
 
 def dedupe_events(input: pa.Table, state: pa.Table) -> KeyedResult:
@@ -191,44 +175,6 @@ def dedupe_events(input: pa.Table, state: pa.Table) -> KeyedResult:
                        events)
 
 
-def user_activity_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
-    """Keyed ``user_activity`` for one batch: the output is each user's count, amount sum,
-    first and last ``event_ts`` in the input; the new state adds them to the user's state
-    (sums and bounds skip nulls, as Spark's aggregates do)."""
-    batch = input.group_by("user_id", use_threads=False).aggregate(
-        [([], "count_all"), ("amount", "sum"), ("event_ts", "min"), ("event_ts", "max")]
-    )
-    batch = pa.table(
-        [batch.column(n) for n in ("user_id", "count_all", "amount_sum", "event_ts_min",
-                                   "event_ts_max")],
-        names=USER_ACTIVITY_OUTPUT_SCHEMA.names,
-    ).cast(USER_ACTIVITY_OUTPUT_SCHEMA)
-    known = state.select(USER_ACTIVITY_KEYED_STATE_SCHEMA.names).cast(
-        USER_ACTIVITY_OUTPUT_SCHEMA)
-    both = batch.join(known, "user_id", join_type="left outer", right_suffix="_state")
-    decimal = USER_ACTIVITY_OUTPUT_SCHEMA.field("amount_sum").type
-    added, before = both.column("amount_sum"), both.column("amount_sum_state")
-    upserts = pa.table(
-        {
-            "user_id": both.column("user_id"),
-            "event_count": pc.add(both.column("event_count"),
-                                  pc.fill_null(both.column("event_count_state"), 0)),
-            "amount_sum": pc.coalesce(pc.add(added, before).cast(decimal), added, before),
-            "first_seen": _bound(pc.less, both, "first_seen"),
-            "last_seen": _bound(pc.greater, both, "last_seen"),
-        }
-    )
-    deletes = USER_ACTIVITY_KEYED_STATE_SCHEMA.empty_table().select(["user_id"])
-    return KeyedResult(upserts, deletes, batch)
-
-
-def _bound(wins, both: pa.Table, name: str) -> pa.ChunkedArray:
-    """Column ``name`` against ``name_state``: the one for which ``wins`` holds, skipping
-    nulls (Arrow's ``min_element_wise`` takes no zoned timestamps)."""
-    new, old = both.column(name), both.column(f"{name}_state")
-    return pc.coalesce(pc.if_else(wins(new, old), new, old), new, old)
-
-
 DEDUPE_KEYED = KeyedStage(
     "dedupe",
     key="event_id",
@@ -238,11 +184,24 @@ DEDUPE_KEYED = KeyedStage(
     output_schema=DEDUPE_OUTPUT_SCHEMA,
     event_time="event_ts",
 )
-USER_ACTIVITY_KEYED = KeyedStage(
+USER_ACTIVITY_KEYED = agg.stage(
     "user_activity",
     key="user_id",
-    state_schema=USER_ACTIVITY_KEYED_STATE_SCHEMA,
-    apply=user_activity_totals,
-    output_schema=USER_ACTIVITY_OUTPUT_SCHEMA,
+    input_schema=DEDUPE_OUTPUT_SCHEMA,
+    aggregates={
+        "event_count": agg.count(),
+        "amount_sum": agg.sum("amount"),  # decimal(12, 2) sums to decimal(22, 2), as in Spark
+        "first_seen": agg.min("event_ts"),
+        "last_seen": agg.max("event_ts"),
+    },
+    emit="batch",
 )
+"""Keyed ``user_activity``: the output is each user's count, amount sum, first and last
+``event_ts`` in the batch; the state adds them up (sums and bounds skip nulls, as Spark's
+aggregates do)."""
+USER_ACTIVITY_OUTPUT_SCHEMA = USER_ACTIVITY_KEYED.output_schema
+"""The output of both user_activity stages: this input's per-user aggregates (a count is
+never null, in Spark's output too)."""
+USER_ACTIVITY_KEYED_STATE_SCHEMA = USER_ACTIVITY_KEYED.state_schema
+user_activity_totals = USER_ACTIVITY_KEYED.apply
 KEYED_STAGES: tuple[KeyedStage, ...] = (DEDUPE_KEYED, USER_ACTIVITY_KEYED)

@@ -1,54 +1,57 @@
-"""The ``checkpoints`` commands on Apache Flink's directories: ``list``, ``inspect`` and
-``verify`` of Flink checkpoints and savepoints (reached through small hooks in the CLI), and
-the ``orphans`` and ``read`` commands.
+"""``checkpoints orphans`` and ``checkpoints read-flink``, and ``list``, ``inspect`` and
+``verify`` of Apache Flink's checkpoints and savepoints (``listing`` and ``inspecting`` hand
+Flink's directories to ``flink_list``, ``flink_inspect`` and ``flink_verify``).
 
-Kept apart from the CLI module so the hooks are a few lines each: "if this is Flink's,
-answer with ``flink_inspect``", etc. Paths Flink wrote on another machine are read through
-``--remap OLD=NEW`` (repeatable).
+Paths Flink wrote on another machine are read through ``--remap OLD=NEW`` (repeatable).
+The Flink reader (``checkpoint_storage.flink``) is imported when a command needs it, so that
+``--help``, completion and ``list`` of this library's directories do not load it.
 """
-
-from __future__ import annotations
 
 import posixpath
 import sys
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from checkpoint_storage._filesystems import format_age, format_size
-from checkpoint_storage._flink_metadata import (
-    FlinkCheckpointMetadata,
-    FlinkStreamHandle,
-    parse_remap,
+from checkpoint_storage import CheckpointInfo, format_age, format_size
+from checkpoint_storage.cli.helpers import (
+    EPILOG,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    JsonOption,
+    StorageOption,
+    UsageError,
+    command_help,
+    echo,
+    error,
+    location,
+    new_table,
+    parse_duration,
+    print_json,
+    print_table,
+    run_command,
+    storage_options,
 )
-from checkpoint_storage._flink_orphans import (
-    OrphanReport,
-    delete_orphans,
-    file_size,
-    find_orphans,
-    is_flink_checkpoint,
-    read_flink_checkpoint,
-    verify_flink_checkpoint,
-)
-from checkpoint_storage._flink_state import read_heap_value_rows
-from checkpoint_storage._ids import checkpoint_directory_id
 from checkpoint_storage.exceptions import CheckpointStorageError
 
+if TYPE_CHECKING:
+    from checkpoint_storage.flink import FlinkCheckpointMetadata, FlinkStreamHandle, OrphanReport
 
-class _CliModule:
-    """The CLI module, imported on first use: it imports this module for its hooks (also
-    when run as ``python -m``), so this one cannot import it while being imported."""
+__all__ = [
+    "RemapOption",
+    "flink_inspect",
+    "flink_list",
+    "flink_verify",
+    "is_flink_pointer",
+    "orphans_command",
+    "read_command",
+    "register",
+    "remap_pairs",
+]
 
-    def __getattr__(self, name: str):
-        from checkpoint_storage import cli as module
-
-        return getattr(module, name)
-
-
-cli = _CliModule()
-
-DEFAULT_GRACE = "1h"  # as gc's; not read from the CLI module, which imports this one
+DEFAULT_GRACE = "1h"  # as gc's
 
 RemapOption = Annotated[
     list[str] | None,
@@ -62,11 +65,26 @@ RemapOption = Annotated[
 ]
 
 
+def _reader():
+    """``checkpoint_storage.flink``, imported on first use (see the module docstring)."""
+    import checkpoint_storage.flink
+
+    return checkpoint_storage.flink
+
+
 def remap_pairs(remap: list[str] | None) -> tuple[tuple[str, str], ...]:
+    if not remap:
+        return ()
     try:
-        return parse_remap(remap or ())
+        return _reader().parse_remap(remap)
     except ValueError as exc:
-        raise cli.UsageError(str(exc)) from None
+        raise UsageError(str(exc)) from None
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``orphans`` and ``read-flink`` to the ``checkpoints`` app."""
+    app.command("orphans", help=command_help(orphans_command), epilog=EPILOG)(orphans_command)
+    app.command("read-flink", help=command_help(read_command), epilog=EPILOG)(read_command)
 
 
 # --- hooks -------------------------------------------------------------------------------
@@ -75,7 +93,7 @@ def remap_pairs(remap: list[str] | None) -> tuple[tuple[str, str], ...]:
 def is_flink_pointer(pointer: str, options: dict) -> bool:
     """Whether POINTER (a checkpoint/savepoint directory or its `_metadata`) is Flink's."""
     try:
-        return is_flink_checkpoint(pointer, options)
+        return _reader().is_flink_checkpoint(pointer, options)
     except (OSError, ValueError):
         return False
 
@@ -83,7 +101,7 @@ def is_flink_pointer(pointer: str, options: dict) -> bool:
 # --- list --------------------------------------------------------------------------------
 
 
-def _summary(pointer: str, m: FlinkCheckpointMetadata, options: dict) -> dict:
+def _summary(pointer: str, m: "FlinkCheckpointMetadata", options: dict) -> dict:
     files = m.referenced_files()
     return {
         "pointer": pointer,
@@ -104,17 +122,21 @@ def _summary(pointer: str, m: FlinkCheckpointMetadata, options: dict) -> dict:
     }
 
 
-def flink_list(directories: list[str], as_json: bool, options: dict, remap) -> int:
+def flink_list(infos: list[CheckpointInfo], as_json: bool, options: dict, remap, shown=str) -> int:
+    """``list`` of directories that hold only Flink's checkpoints and savepoints (``infos``,
+    as ``list_checkpoints_below`` found them): each one's `_metadata` read; ``shown`` turns a
+    pointer into what is printed (``--relative``)."""
     rows = []
-    for pointer in directories:
+    for info in infos:
         try:
-            rows.append(_summary(pointer, read_flink_checkpoint(pointer, options, remap), options))
+            m = _reader().read_flink_checkpoint(info.pointer, options, remap)
+            rows.append(_summary(info.pointer, m, options))
         except (CheckpointStorageError, OSError, ValueError) as exc:
             rows.append(
                 {
-                    "pointer": pointer,
+                    "pointer": info.pointer,
                     "format": "Apache Flink",
-                    "checkpoint_id": checkpoint_directory_id(posixpath.basename(pointer)),
+                    "checkpoint_id": info.checkpoint_id,
                     "kind": "unknown",
                     "status": "invalid",
                     "reason": str(exc),
@@ -122,13 +144,15 @@ def flink_list(directories: list[str], as_json: bool, options: dict, remap) -> i
             )
     # By directory (a job's checkpoints, then savepoints), then id.
     rows.sort(key=lambda row: (posixpath.dirname(row["pointer"]), row.get("checkpoint_id") or 0))
+    for row in rows:
+        row["pointer"] = shown(row["pointer"])
     if as_json:
-        cli.print_json(rows)
-        return cli.EXIT_OK
-    table = cli.new_table(
+        print_json(rows)
+        return EXIT_OK
+    table = new_table(
         "ID", "KIND", "TYPE", "OPERATORS", "FILES", "IN FILES", "INLINE", "POINTER",
         right={"ID", "OPERATORS", "FILES", "IN FILES", "INLINE"},
-        fold={"POINTER"},
+        pointer="POINTER",
     )  # fmt: skip
     for row in rows:
         if row["status"] != "completed":
@@ -147,18 +171,18 @@ def flink_list(directories: list[str], as_json: bool, options: dict, remap) -> i
             format_size(row["inline_bytes"]),
             row["pointer"],
         )
-    cli.echo("Apache Flink checkpoints and savepoints")
-    cli.print_table(table)
+    echo("Apache Flink checkpoints and savepoints")
+    print_table(table)
     for row in rows:
         if row["status"] != "completed":
-            cli.echo(f"invalid: {row['pointer']}: {row['reason']}")
-    return cli.EXIT_OK
+            echo(f"invalid: {row['pointer']}: {row['reason']}")
+    return EXIT_OK
 
 
 # --- inspect -----------------------------------------------------------------------------
 
 
-def _stream_json(h: FlinkStreamHandle | None, exists: dict[str, int | None]) -> dict | None:
+def _stream_json(h: "FlinkStreamHandle | None", exists: dict[str, int | None]) -> dict | None:
     if h is None:
         return None
     doc = {"type": h.type_name, "tag": h.tag, "size": h.size, "inline": h.inline}
@@ -211,17 +235,17 @@ def _handle_json(handle, exists) -> dict | None:
     return doc
 
 
-def _file_sizes(m: FlinkCheckpointMetadata, options: dict) -> dict[str, int | None]:
+def _file_sizes(m: "FlinkCheckpointMetadata", options: dict) -> dict[str, int | None]:
     sizes: dict[str, int | None] = {}
     for path in m.referenced_files():
         try:
-            sizes[path] = file_size(path, options)
+            sizes[path] = _reader().file_size(path, options)
         except OSError:
             sizes[path] = None
     return sizes
 
 
-def flink_document(m: FlinkCheckpointMetadata, options: dict) -> dict:
+def flink_document(m: "FlinkCheckpointMetadata", options: dict) -> dict:
     sizes = _file_sizes(m, options)
     doc = _summary(m.directory, m, options)
     doc["properties"] = (
@@ -277,7 +301,7 @@ def flink_document(m: FlinkCheckpointMetadata, options: dict) -> dict:
     return doc
 
 
-def _where(h: FlinkStreamHandle, directory: str) -> str:
+def _where(h: "FlinkStreamHandle", directory: str) -> str:
     if h.inline:
         return "inline"
     if h.path is None:
@@ -288,11 +312,11 @@ def _where(h: FlinkStreamHandle, directory: str) -> str:
 
 
 def flink_inspect(pointer: str, as_json: bool, options: dict, remap) -> int:
-    m = read_flink_checkpoint(pointer, options, remap)
+    m = _reader().read_flink_checkpoint(pointer, options, remap)
     doc = flink_document(m, options)
     if as_json:
-        cli.print_json(doc)
-        return cli.EXIT_OK
+        print_json(doc)
+        return EXIT_OK
     props = m.properties
     header = [
         ("pointer", m.directory),
@@ -310,9 +334,9 @@ def flink_inspect(pointer: str, as_json: bool, options: dict, remap) -> int:
     ]
     width = max(len(k) for k, _ in header)
     for key, value in header:
-        cli.echo(f"{key + ':':<{width + 1}} {value}")
-    cli.echo()
-    ops = cli.new_table(
+        echo(f"{key + ':':<{width + 1}} {value}")
+    echo()
+    ops = new_table(
         "OPERATOR", "UID", "ID", "PARALLELISM", "MAX", "SUBTASKS",
         right={"PARALLELISM", "MAX", "SUBTASKS"},
     )  # fmt: skip
@@ -325,9 +349,9 @@ def flink_inspect(pointer: str, as_json: bool, options: dict, remap) -> int:
             str(op.max_parallelism),
             "finished" if op.fully_finished else str(len(op.subtasks)),
         )
-    cli.print_table(ops)
-    cli.echo()
-    handles = cli.new_table(
+    print_table(ops)
+    echo()
+    handles = new_table(
         "OPERATOR", "SUBTASK", "STATE", "HANDLE", "KEY GROUPS", "FILE", "SIZE",
         right={"SUBTASK", "SIZE"},
         fold={"FILE"},
@@ -354,19 +378,19 @@ def flink_inspect(pointer: str, as_json: bool, options: dict, remap) -> int:
                         _where(stream, m.directory),
                         format_size(stream.size),
                     )
-    cli.print_table(handles)
+    print_table(handles)
     for path in doc["missing_files"]:
-        cli.echo(f"missing: {path}")
-    return cli.EXIT_OK
+        echo(f"missing: {path}")
+    return EXIT_OK
 
 
 # --- verify ------------------------------------------------------------------------------
 
 
 def flink_verify(pointer: str, as_json: bool, options: dict, remap) -> int:
-    report = verify_flink_checkpoint(pointer, options, remap)
+    report = _reader().verify_flink_checkpoint(pointer, options, remap)
     if as_json:
-        cli.print_json(
+        print_json(
             {
                 "pointer": report.pointer,
                 "format": "Apache Flink",
@@ -382,28 +406,28 @@ def flink_verify(pointer: str, as_json: bool, options: dict, remap) -> int:
         )
     else:
         verdict = "ok" if report.ok else f"{len(report.problems)} problem(s)"
-        cli.echo(
+        echo(
             f"{report.pointer}: Apache Flink checkpoint {report.checkpoint_id}, "
             f"{report.files_checked} files ({format_size(report.bytes_in_files)}), "
             f"{format_size(report.inline_bytes)} inline: {verdict}"
         )
         for p in report.problems:
-            cli.echo(f"{p.kind}: {p.reason}")
+            echo(f"{p.kind}: {p.reason}")
         if any(p.kind == "missing" for p in report.problems) and not remap:
-            cli.echo("if Flink wrote these paths on another machine, map them with --remap OLD=NEW")
+            echo("if Flink wrote these paths on another machine, map them with --remap OLD=NEW")
     if report.ok:
-        return cli.EXIT_OK
-    cli._error(
+        return EXIT_OK
+    error(
         f"verification of {report.pointer} found {len(report.problems)} problem(s); "
         f"first: {report.problems[0].reason}"
     )
-    return cli.EXIT_PROBLEMS
+    return EXIT_PROBLEMS
 
 
 # --- orphans -----------------------------------------------------------------------------
 
 
-def _orphans_json(report: OrphanReport, now: datetime) -> dict:
+def _orphans_json(report: "OrphanReport", now: datetime) -> dict:
     def age(moment):
         return None if moment is None else round((now - moment).total_seconds(), 3)
 
@@ -440,11 +464,11 @@ def _orphans_json(report: OrphanReport, now: datetime) -> dict:
     }
 
 
-def _confirmed(report: OrphanReport, yes: bool) -> bool:
+def _confirmed(report: "OrphanReport", yes: bool) -> bool:
     if yes:
         return True
     if not sys.stdin.isatty():
-        raise cli.UsageError("--delete needs confirmation: add --yes (no terminal to ask on)")
+        raise UsageError("--delete needs confirmation: add --yes (no terminal to ask on)")
     answer = input(
         f"delete {len(report.orphans)} orphan file(s), {format_size(report.orphan_bytes)} "
         f"(older than the grace period) under {report.job_dir}? type 'yes': "
@@ -463,55 +487,55 @@ def _orphans(
     yes: bool,
     grace: str,
 ) -> int:
-    directory = cli.location(job_dir)
-    grace_period = cli.parse_duration(grace)
-    others = [cli.location(d) for d in also]
-    report = find_orphans(
+    directory = location(job_dir)
+    grace_period = parse_duration(grace)
+    others = [location(d) for d in also]
+    report = _reader().find_orphans(
         directory, storage_options=options, remap=remap, also_referenced_by=others
     )
     now = datetime.now(UTC)
     doc = _orphans_json(report, now)
     if not as_json:
         retained = ", ".join(f"{c.checkpoint_id}" for c in report.retained) or "none"
-        cli.echo(f"{report.job_dir}: retained checkpoints {retained}")
-        table = cli.new_table("ORPHAN", "SIZE", "AGE", right={"SIZE", "AGE"}, fold={"ORPHAN"})
+        echo(f"{report.job_dir}: retained checkpoints {retained}")
+        table = new_table("ORPHAN", "SIZE", "AGE", right={"SIZE", "AGE"}, fold={"ORPHAN"})
         for o in report.orphans:
             table.add_row(o.path, format_size(o.size), format_age(o.age(now), compact=True))
         if report.orphans:
-            cli.print_table(table)
-        cli.echo(
+            print_table(table)
+        echo(
             f"{len(report.orphans)} orphan file(s), {format_size(report.orphan_bytes)}; "
             f"{report.referenced_inside} referenced file(s) inside the job directory"
         )
         if report.external:
-            cli.echo(f"referenced outside {report.job_dir} (kept there):")
-            ext = cli.new_table("FILE", "SIZE", "CHECKPOINTS", right={"SIZE"}, fold={"FILE"})
+            echo(f"referenced outside {report.job_dir} (kept there):")
+            ext = new_table("FILE", "SIZE", "CHECKPOINTS", right={"SIZE"}, fold={"FILE"})
             for e in report.external:
                 size = "MISSING" if e.missing else format_size(e.size)
                 ext.add_row(e.path, size, ",".join(map(str, e.checkpoint_ids)))
-            cli.print_table(ext)
+            print_table(ext)
         for path in report.protected_by_others:
-            cli.echo(f"kept (referenced by --also-referenced-by): {path}")
+            echo(f"kept (referenced by --also-referenced-by): {path}")
         for u in report.unreadable:
-            cli.echo(f"unreadable (kept, blocks deletion): {u.pointer}: {u.reason}")
+            echo(f"unreadable (kept, blocks deletion): {u.pointer}: {u.reason}")
         for p in report.incomplete:
-            cli.echo(f"no _metadata (in progress or failed; its files are in the grace): {p}")
+            echo(f"no _metadata (in progress or failed; its files are in the grace): {p}")
     if not delete:
         if as_json:
-            cli.print_json({**doc, "deleted": [], "dry_run": True})
-        return cli.EXIT_INVALID if report.unreadable else cli.EXIT_OK
+            print_json({**doc, "deleted": [], "dry_run": True})
+        return EXIT_INVALID if report.unreadable else EXIT_OK
     if not report.orphans:
         if as_json:
-            cli.print_json({**doc, "deleted": [], "dry_run": False})
-        return cli.EXIT_OK
+            print_json({**doc, "deleted": [], "dry_run": False})
+        return EXIT_OK
     if not _confirmed(report, yes):
-        cli.echo("nothing deleted")
-        return cli.EXIT_OK
-    result = delete_orphans(
+        echo("nothing deleted")
+        return EXIT_OK
+    result = _reader().delete_orphans(
         report, confirm=True, grace_period=grace_period, storage_options=options
     )
     if as_json:
-        cli.print_json(
+        print_json(
             {
                 **doc,
                 "dry_run": False,
@@ -523,13 +547,13 @@ def _orphans(
             }
         )
     else:
-        cli.echo(
+        echo(
             f"deleted {len(result.deleted)} file(s), {format_size(result.bytes_deleted)}; "
             f"kept {len(result.kept_young)} younger than {grace}"
         )
         for path, reason in result.failed:
-            cli.echo(f"not deleted: {path}: {reason}")
-    return cli.EXIT_PROBLEMS if result.failed else cli.EXIT_OK
+            echo(f"not deleted: {path}: {reason}")
+    return EXIT_PROBLEMS if result.failed else EXIT_OK
 
 
 def orphans_command(
@@ -559,8 +583,8 @@ def orphans_command(
         ),
     ] = None,
     remap: RemapOption = None,
-    json_output: cli.JsonOption = False,
-    storage_option: cli.StorageOption = None,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
 ) -> None:
     """Files of a job directory that no retained checkpoint references.
 
@@ -576,11 +600,11 @@ def orphans_command(
     age_seconds), orphan_bytes, referenced_inside, external (path, size, missing,
     checkpoint_ids), protected_by_others, dry_run, deleted.
     """
-    cli.run_command(
+    run_command(
         lambda: _orphans(
             job_dir,
             json_output,
-            cli.storage_options(storage_option),
+            storage_options(storage_option),
             remap_pairs(remap),
             also=also_referenced_by or [],
             delete=delete,
@@ -596,10 +620,12 @@ def orphans_command(
 def _read(
     pointer: str, as_json: bool, options: dict, remap, operator: str | None, python_type
 ) -> int:
-    m = read_flink_checkpoint(cli.location(pointer), options, remap)
-    result = read_heap_value_rows(m, options, operator=operator, python_value_type=python_type)
+    m = _reader().read_flink_checkpoint(location(pointer), options, remap)
+    result = _reader().read_heap_value_rows(
+        m, options, operator=operator, python_value_type=python_type
+    )
     if as_json:
-        cli.print_json(
+        print_json(
             {
                 "pointer": m.directory,
                 "operator": result.operator,
@@ -610,13 +636,13 @@ def _read(
                 ],
             }
         )
-        return cli.EXIT_OK
-    table = cli.new_table("KEY GROUP", "STATE", "KEY", "VALUE", right={"KEY GROUP"})
+        return EXIT_OK
+    table = new_table("KEY GROUP", "STATE", "KEY", "VALUE", right={"KEY GROUP"})
     for r in result.rows:
         table.add_row(str(r.key_group), r.state, repr(r.key), repr(r.value))
-    cli.print_table(table)
-    cli.echo(f"{len(result.rows)} row(s) of operator {result.operator}")
-    return cli.EXIT_OK
+    print_table(table)
+    echo(f"{len(result.rows)} row(s) of operator {result.operator}")
+    return EXIT_OK
 
 
 def read_command(
@@ -634,8 +660,8 @@ def read_command(
         ),
     ] = None,
     remap: RemapOption = None,
-    json_output: cli.JsonOption = False,
-    storage_option: cli.StorageOption = None,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
 ) -> None:
     """Keyed ValueState rows of a Flink canonical savepoint.
 
@@ -649,11 +675,11 @@ def read_command(
     and are refused naming what was found (exit 4). JSON keys: pointer, operator, states,
     rows (key_group, state, key, value).
     """
-    cli.run_command(
+    run_command(
         lambda: _read(
             pointer,
             json_output,
-            cli.storage_options(storage_option),
+            storage_options(storage_option),
             remap_pairs(remap),
             operator,
             python_value_type,

@@ -9,6 +9,16 @@ vectorised Arrow function. Keys map to key groups (``KeyGroupRange``,
 See docs/design.md, "Keyed state".
 """
 
+from pipelines.keyed._batch import (
+    KeyedBatch,
+    MaterialisationPolicy,
+    apply_keyed_batch,
+    extend_chains,
+    materialise_keyed_state,
+    ranges_to_materialise,
+    read_keyed_state,
+    rematerialise_from_local_stores,
+)
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -38,24 +48,12 @@ from pipelines.keyed._key_groups import (
     last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
-from pipelines.keyed._spark import (
+from pipelines.keyed._local_stores import (
     DEFAULT_LOCAL_STORE_MAX_AGE,
-    OPERATOR_INDEX,
-    ChainRef,
-    KeyedBatch,
-    KeyedRangeResult,
-    KeyedStageTask,
-    MaterialisationPolicy,
-    apply_keyed_batch,
-    chain_version,
-    extend_chains,
     local_store_directory,
-    materialise_keyed_state,
-    ranges_to_materialise,
-    read_keyed_state,
-    rematerialise_from_local_stores,
     sweep_idle_stores,
 )
+from pipelines.keyed._routing import OPERATOR_INDEX
 from pipelines.keyed._stage import (
     KeyedResult,
     KeyedStage,
@@ -70,6 +68,7 @@ from pipelines.keyed._store import (
     forget_verified_files,
     remove_store,
 )
+from pipelines.keyed._task import ChainRef, KeyedRangeResult, KeyedStageTask, chain_version
 
 __all__ = [
     "CHAIN_FORMAT",

@@ -466,13 +466,13 @@ def _unmerged_state(storage: CheckpointStorage, pipeline: StatefulPipeline) -> s
     """What file merging, enabled on ``storage``, leaves unmerged in ``pipeline`` (None:
     nothing, or merging is off). A Spark task writes one file per checkpoint, so only a
     keyed range's change files, appended across checkpoints, can be packed."""
-    if not getattr(storage, "file_merging_enabled", False):
+    if not storage.file_merging_enabled:
         return None
     unmerged = []
     if len(pipeline.keyed_stages) < len(pipeline.stages):
         unmerged.append("the state of DataFrame stages is written one file per Spark task "
                         "and checkpoint")
-    if pipeline.keyed_stages and not getattr(storage, "resumes_physical_files", False):
+    if pipeline.keyed_stages and not storage.resumes_physical_files:
         unmerged.append("the change files of keyed stages are packed only with "
                         "file_merging_across_checkpoint_boundary=True, on local disk (an "
                         "object cannot be appended to); they are one file per range and "
@@ -938,7 +938,7 @@ class StatefulRunner:
         }
         operator_states = []
         state_rows, expired_rows = {}, {}
-        options = self.storage.storage_options if hasattr(self.storage, "storage_options") else {}
+        options = self.storage.storage_options
         try:
             for stage in self.stages:
                 state = states[stage.name]
@@ -1271,7 +1271,7 @@ class StatefulRunner:
     def _savepoints(self) -> list[tuple[str, CheckpointMetadata]]:
         """The pipeline's savepoints in the savepoint directory (and its scheduled/), sorted by
         pointer, with their `_metadata`; those that cannot be read are left out."""
-        directory = getattr(self.storage, "savepoint_directory", None)
+        directory = self.storage.savepoint_directory
         if directory is None:
             return []
         fs, path = url_to_fs(directory, self.storage.storage_options)

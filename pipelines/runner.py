@@ -15,8 +15,6 @@ batches after it. Sinks write per partition (and batch) idempotently, so replays
 """
 
 import datetime as dt
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,10 +27,8 @@ from checkpoint_storage import (
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
     STATE_SCHEMA_PREFIX,
-    AlsoRetained,
     CheckpointAlreadyExistsError,
     CheckpointMetadata,
-    CheckpointNotFoundError,
     CheckpointProperties,
     CheckpointRetentionPolicy,
     CheckpointStorage,
@@ -41,17 +37,35 @@ from checkpoint_storage import (
     CompletedCheckpoint,
     CompletedCheckpointStorageLocation,
     FileSystemCompletedCheckpointStore,
-    InvalidCheckpointError,
-    JobID,
     RestoreMode,
-    StreamStateHandle,
     VerificationProblem,
     format_size,
     store_checkpoint_metadata,
     url_to_fs,
     verify_state_handles,
 )
-from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
+from pipelines._positions import (
+    SourcePosition,
+    _position_key,
+    batches_digest,
+    head_of,
+    job_id_for,
+    partition_ends,
+    position_retention,
+)
+from pipelines._restore_checks import (
+    ClaimRefusedError,
+    CorruptStateError,
+    DamagedState,
+    MissingStateError,
+    _does_not_fit_message,
+    _handle_key,
+    _starts_after,
+    check_claim,
+    check_restore_from,
+    damaged_state,
+)
+from pipelines._spec import SOURCE, StatefulPipeline
 from pipelines._stage_kinds import empty_state, stage_kinds
 from pipelines.keyed import DEFAULT_LOCAL_STORE_MAX_AGE
 
@@ -89,233 +103,6 @@ PIPELINE_NAME_STATE = JOB_NAME_STATE
 SCHEMA_STATE_PREFIX = STATE_SCHEMA_PREFIX
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
-
-
-def job_id_for(pipeline_name: str) -> JobID:
-    """A stable job id per pipeline, so that every run of it shares one checkpoint directory
-    and recovery finds the previous runs' checkpoints."""
-    return JobID.from_hex(hashlib.sha256(pipeline_name.encode()).hexdigest()[:32])
-
-
-def batches_digest(batches: Sequence[str]) -> str:
-    """A digest of an ordered list of batch ids: a position records the one of the batches it
-    applied, so a restart can tell that the list it sees now starts with the same batches."""
-    return hashlib.sha256(json.dumps(list(batches)).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True, order=True)
-class SourcePosition:
-    """How far the input has been applied to the state: the first ``batches`` batches of
-    ``partition`` (and every earlier partition); ``complete`` once all of its batches are.
-    ``digest`` identifies the batches applied (``batches_digest``); positions written before
-    it existed have none."""
-
-    partition: str
-    batches: int
-    complete: bool
-    digest: str | None = field(default=None, compare=False)
-
-    def to_bytes(self) -> bytes:
-        raw = {"partition": self.partition, "batches": self.batches, "complete": self.complete}
-        if self.digest is not None:
-            raw["digest"] = self.digest
-        return json.dumps(raw, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "SourcePosition":
-        try:
-            raw = json.loads(data)
-            digest = raw.get("digest")
-            position = cls(
-                str(raw["partition"]),
-                int(raw["batches"]),
-                bool(raw["complete"]),
-                None if digest is None else str(digest),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InvalidCheckpointError(f"malformed source position {data[:100]!r}") from exc
-        if position.batches < 0:
-            raise InvalidCheckpointError(f"malformed source position {data[:100]!r}")
-        return position
-
-    @classmethod
-    def of(cls, metadata: CheckpointMetadata) -> "SourcePosition":
-        data = metadata.master_states.get(POSITION_STATE)
-        if data is None:
-            raise InvalidCheckpointError(
-                f"checkpoint {metadata.checkpoint_id} has no source position: it was not "
-                "written by a pipeline"
-            )
-        return cls.from_bytes(data)
-
-    def fits(self, partition: str, order: PartitionOrder) -> bool:
-        """Whether this state is where processing ``partition`` can start: after the whole
-        previous partition, or part-way into ``partition``."""
-        if self.partition == partition:
-            return not self.complete
-        return self.complete and self.partition == order.previous(partition)
-
-    def __str__(self) -> str:
-        if self.complete:
-            return f"end of {self.partition}"
-        return f"{self.partition} after batch {self.batches}"
-
-
-def _position_key(position: SourcePosition, order: PartitionOrder) -> tuple | None:
-    """How far ``position`` is, comparable across positions (partition order, then the end
-    of a partition after any batch count inside it); None for a partition the pipeline no
-    longer has."""
-    rank = order.rank(position.partition)
-    return None if rank is None else (rank, position.complete, position.batches)
-
-
-def _positioned(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
-                ) -> list[tuple[tuple, CompletedCheckpoint]]:
-    """The regular checkpoints with their position key, those of pipelines' positions only."""
-    found = []
-    for checkpoint in checkpoints:
-        if checkpoint.is_savepoint():
-            continue
-        try:
-            key = _position_key(SourcePosition.of(checkpoint.metadata), order)
-        except InvalidCheckpointError:
-            continue
-        if key is not None:
-            found.append((key, checkpoint))
-    return found
-
-
-def head_of(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
-            ) -> CompletedCheckpoint | None:
-    """The pipeline's head: the checkpoint of the furthest position (the newest of those
-    there), which need not be the newest checkpoint after a rewind."""
-    positioned = _positioned(checkpoints, order)
-    if not positioned:
-        return None
-    return max(positioned, key=lambda p: (p[0], p[1].checkpoint_id))[1]
-
-
-def partition_ends(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder,
-                   count: int) -> dict[str, CompletedCheckpoint]:
-    """The newest checkpoint at the end of each of the last ``count`` partitions up to the
-    head (the head's own partition if it is complete there), by partition; partitions with no
-    such checkpoint are left out."""
-    head = head_of(checkpoints, order)
-    if head is None or count <= 0:
-        return {}
-    position = SourcePosition.of(head.metadata)
-    partition = position.partition if position.complete else order.previous(position.partition)
-    window = []
-    while partition is not None and len(window) < count:
-        window.append(partition)
-        partition = order.previous(partition)
-    ends: dict[str, CompletedCheckpoint] = {}
-    for _, checkpoint in _positioned(checkpoints, order):
-        at = SourcePosition.of(checkpoint.metadata)
-        if at.complete and at.partition in window:
-            newest = ends.get(at.partition)
-            if newest is None or checkpoint.checkpoint_id > newest.checkpoint_id:
-                ends[at.partition] = checkpoint
-    return ends
-
-
-def position_retention(pipeline: StatefulPipeline) -> AlsoRetained:
-    """The pipeline's retention rule on top of its newest ``max_retained_checkpoints``: the
-    head (a rewind writes newer ids at earlier positions, which must not subsume the only
-    checkpoint of the furthest one) and the ends of its last ``retain_partition_ends``
-    partitions (time travel)."""
-    order, count = pipeline.order, pipeline.retain_partition_ends
-
-    def also_retained(checkpoints: Sequence[CompletedCheckpoint]) -> set[int]:
-        head = head_of(checkpoints, order)
-        kept = {c.checkpoint_id for c in partition_ends(checkpoints, order, count).values()}
-        return kept | ({head.checkpoint_id} if head is not None else set())
-
-    return also_retained
-
-
-class MissingStateError(LookupError):
-    """No snapshot holds the state a partition needs to start from."""
-
-
-class ClaimRefusedError(ValueError):
-    """A CLAIM restore of a checkpoint that lies outside the pipeline's own job directory."""
-
-
-def check_claim(
-    access, location: CompletedCheckpointStorageLocation, metadata: CheckpointMetadata,
-    mode: RestoreMode,
-) -> None:
-    """Refuse (``ClaimRefusedError``) a CLAIM of a checkpoint outside ``access``'s job
-    directory. CLAIM hands the snapshot to this job's retention, which deletes it and its
-    shared files once subsumed: state that the job owning that directory still lists and
-    references (its retained checkpoints, later increments), and which this job's
-    checkpoints could not reference (their paths must stay inside this job directory). A
-    savepoint is self-contained and owned by no job: it may be claimed from anywhere."""
-    if RestoreMode(mode) is not RestoreMode.CLAIM or metadata.properties.is_savepoint():
-        return
-    pointer = location.external_pointer.rstrip("/")
-    own = (access.checkpoints_directory or "").rstrip("/")
-    if own and pointer.rsplit("/", 1)[0] == own:
-        return
-    raise ClaimRefusedError(
-        f"restore_from {pointer} in CLAIM mode: the checkpoint is not in this pipeline's job "
-        f"directory {own or '(none configured)'}, so it belongs to another job (another "
-        "pipeline, or another checkpoint directory), whose checkpoints may still reference its "
-        "files; claiming it would let this pipeline's retention delete them. Nothing was run: "
-        "use NO_CLAIM (restore_mode RestoreMode.NO_CLAIM), which copies the state into this "
-        "pipeline's own checkpoints and never deletes the snapshot"
-    )
-
-
-class CorruptStateError(MissingStateError):
-    """A snapshot's state files do not verify (corrupt, missing or unreadable) and no verified
-    copy of that state is at hand: the message names the files and the way out."""
-
-
-@dataclass(frozen=True)
-class DamagedState:
-    """The state of one stage's subtask whose files do not verify: a keyed stage's key group
-    range (``key_groups``, e.g. "0-7"; its operator index is ``subtask``), or a DataFrame
-    stage's snapshot part (``key_groups`` None)."""
-
-    stage: str
-    subtask: int
-    key_groups: str | None
-    problems: tuple[VerificationProblem, ...]
-
-    @property
-    def keyed(self) -> bool:
-        return self.key_groups is not None
-
-    def __str__(self) -> str:
-        where = (f"stage {self.stage} key groups {self.key_groups}" if self.keyed
-                 else f"stage {self.stage} subtask {self.subtask}")
-        return f"{where}: " + "; ".join(f"{p.path} ({p.kind})" for p in self.problems)
-
-
-def _handle_key(handle: StreamStateHandle) -> tuple:
-    """What identifies a handle's bytes across checkpoints (as verification reads them once)."""
-    return (type(handle).__name__, getattr(handle, "path", None),
-            getattr(handle, "start_position", None), handle.state_size,
-            getattr(handle, "checksum", None))
-
-
-def damaged_state(
-    metadata: CheckpointMetadata, problems: Sequence[VerificationProblem]
-) -> list[DamagedState]:
-    """Which stages' subtasks (keyed ranges) of ``metadata`` hold the handles of ``problems``
-    (from ``verify_checkpoint`` or ``verify_state_handles``)."""
-    by_key = {_handle_key(p.handle): p for p in problems if p.handle is not None}
-    damaged = []
-    for operator in metadata.operator_states:
-        for subtask, state in sorted(operator.subtask_states.items()):
-            found = tuple(by_key[_handle_key(h)] for h in state.handles
-                          if _handle_key(h) in by_key)
-            if found:
-                damaged.append(DamagedState(operator.operator_id, subtask,
-                                            state.properties.get("keyed.key_groups"), found))
-    return damaged
 
 
 class BatchListChangedError(RuntimeError):
@@ -358,51 +145,6 @@ def error_line(error: BaseException) -> str:
         # Py4J: "An error occurred while calling o42.x." then ": java.lang.Error: ..."
         return next((line.lstrip(": ") for line in lines[1:]), lines[0])
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-
-
-def _starts_after(order: PartitionOrder, partition: str) -> str:
-    previous = order.previous(partition)
-    return "empty state" if previous is None else f"the end of {previous}"
-
-
-def _does_not_fit_message(
-    pointer: str, position: SourcePosition, partition: str, order: PartitionOrder
-) -> str:
-    return (
-        f"{pointer} holds the state at {position}, but processing {partition} starts from "
-        f"{_starts_after(order, partition)} (or from within {partition}): choose a snapshot "
-        "that fits, or a range that starts right after it"
-    )
-
-
-def check_restore_from(
-    storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline,
-    mode: RestoreMode | str = RestoreMode.NO_CLAIM,
-) -> SourcePosition:
-    """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
-    to validate and to fit ``partition``; ``MissingStateError`` with a clear message
-    otherwise, ``ClaimRefusedError`` for a CLAIM (``mode``) that ``check_claim`` refuses.
-    Storage only (reads one `_metadata`): run it before any Spark work."""
-    partition = pipeline.order.check(partition)
-    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
-    try:
-        location = access.resolve_checkpoint(pointer)
-        metadata = location.load_metadata()
-        position = SourcePosition.of(metadata)
-    except CheckpointNotFoundError as exc:
-        raise MissingStateError(
-            f"restore_from {pointer} does not exist (no completed `_metadata` there: {exc}): "
-            "name a savepoint or checkpoint directory that holds a `_metadata`, e.g. from "
-            "`checkpoints list <savepoint_dir>` (scheduled ones are in <savepoint_dir>/scheduled)"
-        ) from exc
-    except InvalidCheckpointError as exc:
-        raise MissingStateError(f"restore_from {pointer} is not a usable snapshot: {exc}") from exc
-    if not position.fits(partition, pipeline.order):
-        raise MissingStateError(
-            _does_not_fit_message(location.external_pointer, position, partition, pipeline.order)
-        )
-    check_claim(access, location, metadata, RestoreMode(mode))
-    return position
 
 
 @dataclass(frozen=True)

@@ -299,7 +299,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("total", T.LongType()), T.StructField("last_seen", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             batch = events.groupBy("user_id").agg(
                 F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
                 F.max("ts").alias("last_seen"),
@@ -314,7 +314,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("event_id", T.StringType()), T.StructField("ts", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             horizon = events.agg(F.max("ts")).first()[0]
             fresh = events.select("event_id", "ts").join(state, "event_id", "left_anti")
             kept = state.unionByName(fresh).where(

@@ -122,10 +122,10 @@ class StageKind(ABC):
         return state, []
 
     @abstractmethod
-    def apply(self, state, input: DataFrame, pending: PendingLocation,
+    def apply(self, input: DataFrame, state, pending: PendingLocation,
               batch: int) -> tuple[object, StageBatch]:
-        """Apply batch number ``batch`` (``input``) to ``state``: the new state and the
-        batch's result."""
+        """Apply batch number ``batch`` (``input``) to ``state``, input first as a stage's own
+        ``apply``: the new state and the batch's result."""
 
     @abstractmethod
     def snapshot(self, state, checkpoint_id: int, location: CheckpointStorageLocation, *,
@@ -205,9 +205,9 @@ class DataFrameStageKind(StageKind):
             state = state.repartition(parallelism)
         return state.localCheckpoint(eager=True)
 
-    def apply(self, state: DataFrame, input: DataFrame, pending: PendingLocation,
+    def apply(self, input: DataFrame, state: DataFrame, pending: PendingLocation,
               batch: int) -> tuple[DataFrame, StageBatch]:
-        new_state, output = self.stage.apply(state, input)
+        new_state, output = self.stage.apply(input, state)
         # Before any Spark job: a state unlike its schema never reaches a checkpoint.
         _check_state_schema(self.stage, new_state)
         # Materialise once and cut the lineage, so that state does not grow a plan of
@@ -283,7 +283,7 @@ class KeyedStageKind(StageKind):
                                              full=full)
         return state, _rebuild_notes(self.stage.name, results)
 
-    def apply(self, state: KeyedStageState, input: DataFrame, pending: PendingLocation,
+    def apply(self, input: DataFrame, state: KeyedStageState, pending: PendingLocation,
               batch: int) -> tuple[KeyedStageState, StageBatch]:
         checkpoint_id, location = pending()
         state, result = self.driver.apply(state, input, checkpoint_id,

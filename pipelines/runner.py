@@ -500,7 +500,7 @@ class StatefulRunner:
                 notes += self._prepare_interval(states)
             try:
                 states[stage.name], result = kind.apply(
-                    states[stage.name], outputs[self.pipeline.input_of(number)],
+                    outputs[self.pipeline.input_of(number)], states[stage.name],
                     self._pending_location, index)
             except Exception as exc:
                 raise self._stage_error(stage.name, partition, batches, index, exc) from exc

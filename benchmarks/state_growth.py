@@ -31,7 +31,7 @@ the default 22 batches), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
 from the checkpoint and processing one more batch. For ours it also prints the median time
 per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
-and, when a local copy of ``pipelines/keyed/_spark.py`` is instrumented to append one JSON
+and, when a local copy of ``pipelines/keyed/_executor.py`` is instrumented to append one JSON
 line per range and batch to ``$PIPELINES_KEYED_TIMINGS`` (step seconds under keys ending in
 ``_s``; not in the tree, as timing code does not belong in the task), the executor steps.
 With more than one S and ``--changed``, it checks ours' growth from the smallest to the
@@ -299,7 +299,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("total", T.LongType()), T.StructField("last_seen", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             batch = events.groupBy("user_id").agg(
                 F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
                 F.max("ts").alias("last_seen"),
@@ -314,7 +314,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("event_id", T.StringType()), T.StructField("ts", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             horizon = events.agg(F.max("ts")).first()[0]
             fresh = events.select("event_id", "ts").join(state, "event_id", "left_anti")
             kept = state.unionByName(fresh).where(
@@ -541,7 +541,7 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
     from pipelines import StatefulRunner
 
     timings = work / f"executor-timings-{phase}.jsonl"
-    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _spark.py
+    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _executor.py
     spark = _spark("ours")
     phases = _profile_ours()
     landing, names = _land(data, work, batches)

@@ -63,7 +63,7 @@ def apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
         for url in batch_urls(landing, day):
             data = spark.read.schema(EVENT_SCHEMA).parquet(url)
             for stage in STAGES:
-                new_state, data = stage.apply(states[stage.name], data)
+                new_state, data = stage.apply(data, states[stage.name])
                 states[stage.name] = new_state.localCheckpoint(eager=True)
                 data = data.localCheckpoint(eager=True)
         date = dt.date.fromisoformat(day)

@@ -150,7 +150,7 @@ def test_cold_run_names_the_intact_older_checkpoint_and_restoring_it_works(spark
     assert expected(PARTITIONS) == state_of(restored)
 
 
-def count_rows(state, input):
+def count_rows(input, state):
     return state.union(input.agg(F.count("*").alias("n"))).agg(
         F.sum("n").cast("long").alias("n")), input
 

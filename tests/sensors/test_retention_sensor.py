@@ -235,13 +235,15 @@ def test_a_flink_job_directory_is_kept_whole_and_reported(tmp_path):
 
 
 def retained_rows(event) -> list[tuple]:
-    """The (kind, id, partition, batches, complete, pointer) rows of an event's ``retained``
-    table."""
+    """The (kind, id, position, pointer) rows of an event's ``retained`` table, each full
+    pointer from ``retained_pointers`` (the table shows it relative to its directory)."""
     table = event.metadata["retained"]
-    return [
-        tuple(r.data[c] for c in ("kind", "id", "partition", "batches", "complete", "pointer"))
-        for r in table.records
-    ]
+    pointers = event.metadata["retained_pointers"].value.splitlines()
+    rows = []
+    for record, pointer in zip(table.records, pointers, strict=True):
+        assert pointer.endswith("/" + record.data["pointer"]), (pointer, record.data["pointer"])
+        rows.append(tuple(record.data[c] for c in ("kind", "id", "position")) + (pointer,))
+    return rows
 
 
 def test_observation_shows_what_is_retained_after_the_tick(tmp_path):
@@ -254,15 +256,38 @@ def test_observation_shows_what_is_retained_after_the_tick(tmp_path):
         result = evaluate(sensor, instance, prepared.resource)
     (observation,) = result.asset_events
     expected = [
-        ("checkpoint", 4, "2026-10-04", 2, True, prepared.chk[4]),
-        ("checkpoint", 5, "2026-10-05", 2, True, prepared.chk[5]),
-        ("savepoint", 2, "2026-10-02", 2, True, prepared.hand_made[0]),
-        ("scheduled savepoint", 1, "2026-10-01", 2, True, prepared.scheduled[0]),
-        ("scheduled savepoint", 3, "2026-10-03", 2, True, prepared.scheduled[2]),
-        ("scheduled savepoint", 4, "2026-10-04", 2, True, prepared.scheduled[3]),
-        ("savepoint", 5, "2026-10-05", 2, True, prepared.hand_made[1]),
+        ("checkpoint", 4, "2026-10-04 end", prepared.chk[4]),
+        ("checkpoint", 5, "2026-10-05 end", prepared.chk[5]),
+        ("savepoint", 2, "2026-10-02 end", prepared.hand_made[0]),
+        ("scheduled savepoint", 1, "2026-10-01 end", prepared.scheduled[0]),
+        ("scheduled savepoint", 3, "2026-10-03 end", prepared.scheduled[2]),
+        ("scheduled savepoint", 4, "2026-10-04 end", prepared.scheduled[3]),
+        ("savepoint", 5, "2026-10-05 end", prepared.hand_made[1]),
     ]
     assert expected == retained_rows(observation)
+
+
+def test_retained_table_is_narrow_with_the_pointer_last_and_relative(tmp_path):
+    """Issue 29: the table fits the asset page at 1280 px: one position column, the pointer
+    last and relative to the job directory (``chk-<id>``) or the savepoint directory
+    (``scheduled/savepoint-…``); the observation says first that it is a retention tick."""
+    prepared = Prepared(tmp_path)
+    sensor = retention_sensor(POLICY)
+    with dg.instance_for_test() as instance:
+        record_lineage(instance, prepared)
+        result = evaluate(sensor, instance, prepared.resource)
+    (observation,) = result.asset_events
+    table = observation.metadata["retained"]
+    columns = [c.name for c in table.schema.columns]
+    assert ["id", "kind", "position", "size", "files", "age", "pointer"] == columns
+    shown = [r.data["pointer"] for r in table.records]
+    savepoints = tmp_path / "savepoints"
+    assert ["chk-4", "chk-5"] == shown[:2]
+    assert [str(Path(p).relative_to(savepoints)) for p in prepared.hand_made[:1]] == shown[2:3]
+    assert all(p.startswith("scheduled/savepoint-") for p in shown[3:6]), shown
+    assert "retention tick" == observation.metadata["event"].value
+    assert "event" == next(iter(observation.metadata))
+    assert observation.description.startswith("Retention tick: ")
 
 
 def test_tick_after_a_new_savepoint_records_it_without_deleting(tmp_path):
@@ -277,6 +302,6 @@ def test_tick_after_a_new_savepoint_records_it_without_deleting(tmp_path):
         new = snapshot(access, 5, end_of(5), savepoint_dir=str(tmp_path / "savepoints"))
         second = evaluate(sensor, instance, prepared.resource, first.cursor)
     (observation,) = second.asset_events
-    assert "retained checkpoints and savepoints changed" == observation.description
+    assert "Retention tick: retained checkpoints and savepoints changed" == observation.description
     assert [] == observation.metadata["deleted_savepoints"].value
-    assert ("savepoint", 5, "2026-10-05", 2, True, new) == retained_rows(observation)[-1]
+    assert ("savepoint", 5, "2026-10-05 end", new) == retained_rows(observation)[-1]

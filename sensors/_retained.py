@@ -28,7 +28,6 @@ __all__ = [
     "EVENT_KEY",
     "MATERIALIZATION_EVENT",
     "RETAINED_METADATA_KEY",
-    "RETAINED_POINTERS_KEY",
     "RETENTION_TICK_EVENT",
     "SAVEPOINT_EVENT",
     "RetainedSnapshot",
@@ -37,13 +36,11 @@ __all__ = [
     "retained_directories",
     "retained_entries",
     "retained_metadata",
-    "retained_pointers",
     "retained_snapshots",
     "retained_table",
 ]
 
 RETAINED_METADATA_KEY = "retained"
-RETAINED_POINTERS_KEY = "retained_pointers"
 # The first metadata entry of each event on the state asset: which kind of event it is (the
 # UI's event list tells materializations from observations by their icon only).
 EVENT_KEY = "event"
@@ -147,10 +144,10 @@ def _owned_savepoint(info: CheckpointInfo, job: str) -> bool:
     return info.pointer.rstrip("/").rsplit("/", 1)[-1].startswith(f"savepoint-{job[:6]}-")
 
 
-# Narrow enough for the event panel of the asset page at 1280 px (about 540 px wide): one
-# position column instead of partition, batches and completeness, and the pointer last and
-# relative, so that it never wraps size, files and age out of sight; the full pointers follow
-# in ``retained_pointers``.
+# Narrow enough for the event panel of the asset page at 1280 px (about 490 px beside the
+# metadata keys): one position column instead of partition, batches and completeness, and the
+# pointer last and relative, so that it never wraps size, files and age out of sight. Full
+# pointers are too long to wrap (a 32-digit job id): the schema names the directories instead.
 _COLUMNS = [
     ("id", "int", "checkpoint id"),
     ("kind", "string", "checkpoint, full checkpoint, savepoint (by hand) or scheduled savepoint"),
@@ -161,9 +158,7 @@ _COLUMNS = [
     ("size", "string", "state size"),
     ("files", "int", "state files"),
     ("age", "string", "age when this was recorded"),
-    ("pointer", "string", "relative to the job's checkpoint directory (chk-<id>) or to the "
-     "savepoint directory; the full pointers (for restore_from or `checkpoints read`) are in "
-     "retained_pointers"),
+    ("pointer", "string", "relative to the directory that holds it"),
 ]
 
 
@@ -179,7 +174,7 @@ def position_label(snapshot: RetainedSnapshot) -> str:
 
 def relative_pointer(pointer: str, directories: Sequence[str]) -> str:
     """``pointer`` relative to the first of ``directories`` that holds it (``chk-18``,
-    ``scheduled/savepoint-2b2376-…``); the pointer itself when none does."""
+    ``savepoint-2b2376-…``); the pointer itself when none does."""
     for directory in directories:
         prefix = directory.rstrip("/") + "/"
         if pointer.startswith(prefix) and len(pointer) > len(prefix):
@@ -209,41 +204,40 @@ def retained_table(
         )
         for s in snapshots
     ]
+    described = dict(pointer=_COLUMNS[-1][2] + (
+        f": {', '.join(directories)} (for restore_from or `checkpoints read`, join it to its "
+        "directory: chk-<id> to the first, a savepoint to the one of its kind)"
+        if directories else ""
+    ))  # fmt: skip
     schema = dg.TableSchema(
-        columns=[dg.TableColumn(name, kind, description) for name, kind, description in _COLUMNS]
+        columns=[
+            dg.TableColumn(name, kind, described.get(name, description))
+            for name, kind, description in _COLUMNS
+        ]
     )
     return dg.MetadataValue.table(records, schema)
 
 
-def retained_pointers(snapshots: list[RetainedSnapshot]) -> dg.TextMetadataValue:
-    """The full pointers of ``snapshots``, one a line in the table's order: what
-    ``restore_from`` and ``checkpoints read`` take."""
-    return dg.MetadataValue.text("\n".join(s.pointer for s in snapshots))
-
-
 def retained_directories(storage: FileSystemCheckpointStorage, pipeline_name: str) -> list[str]:
     """The directories the ``retained`` table's pointers are relative to: the pipeline's
-    job directory, then the savepoint directory (when there is one)."""
+    job directory, then the scheduled and the hand-made savepoints' (when there are
+    savepoints); the kind column tells which."""
     job = job_id_for(pipeline_name).hex
     directories = [f"{storage.checkpoint_directory.rstrip('/')}/{job}"]
     if storage.savepoint_directory is not None:
-        directories.append(storage.savepoint_directory.rstrip("/"))
+        savepoints = storage.savepoint_directory.rstrip("/")
+        directories += [f"{savepoints}/{SCHEDULED_SAVEPOINTS}", savepoints]
     return directories
 
 
 def retained_entries(
     snapshots: list[RetainedSnapshot], directories: Sequence[str]
 ) -> dict[str, dg.MetadataValue]:
-    """``retained`` (the table) and ``retained_pointers`` (its full pointers), for an asset
-    event."""
-    return {
-        RETAINED_METADATA_KEY: retained_table(snapshots, directories=directories),
-        RETAINED_POINTERS_KEY: retained_pointers(snapshots),
-    }
+    """``retained``: the table, for an asset event."""
+    return {RETAINED_METADATA_KEY: retained_table(snapshots, directories=directories)}
 
 
 def retained_metadata(storage: FileSystemCheckpointStorage, pipeline_name: str) -> dict:
-    """``retained`` and ``retained_pointers``: what the pipeline retains now, for an asset
-    event."""
+    """``retained``: what the pipeline retains now, for an asset event."""
     snapshots = retained_snapshots(storage, pipeline_name)
     return retained_entries(snapshots, retained_directories(storage, pipeline_name))

@@ -201,12 +201,18 @@ def test_asset_page_shows_what_is_retained(
 ):
     """At 1280 px the events tab opens on the newest event, whose retained table shows every
     retained checkpoint and savepoint: id, kind, decoded position, size, files, age and the
-    pointer last, every cell on screen (not wrapped out of sight); the full pointers follow
-    in retained_pointers."""
+    pointer last (relative to its directory), every cell drawn on screen without scrolling
+    sideways once Dagster's navigation is hidden ("Hide navigation"). Beside the navigation
+    the event panel leaves about 490 px for metadata values, less than a full S3 pointer of
+    the test's buckets needs (``savepoint_pointer``, ``checkpoint_pointer``: about 555 px
+    that cannot wrap), and the panel then scrolls sideways whatever the table."""
     _chromium_or_skip()
     screenshot = artifacts_dir / "user_activity_retained.png"
-    waits = ["retained", savepointed["savepoint_pointer"].rsplit("/", 1)[-1]]
+    savepoint_name = savepointed["savepoint_pointer"].rstrip("/").rsplit("/", 1)[-1]
+    waits = ["retained", savepoint_name]
     with asset_events_page(dagster_dev, tmp_path / "chromium-profile", waits, screenshot) as page:
+        page.get_by_text("Hide navigation", exact=True).click()
+        page.get_by_text("Show navigation", exact=True).wait_for(timeout=10_000)
         header, *rows = shown_table(page)
         cells = retained_table_element(page)
         problems = {
@@ -214,17 +220,14 @@ def test_asset_page_shows_what_is_retained(
             for cell in cells.locator("th, td").all()
             if (text := cell.inner_text().strip())
         }
-        full_pointers = page.locator("td", has_text=savepointed["savepoint_pointer"]).count()
         page.screenshot(path=str(screenshot), full_page=True)
     assert RETAINED_COLUMNS == header, f"columns {header} (see {screenshot})"
     recorded = [[[str(r[c]) for c in RETAINED_COLUMNS] for r in t] for t in retained_tables(
         dagster_dev)]  # fmt: skip
     assert rows in recorded, f"the table shown is no event's retained table (see {screenshot})"
-    assert any(r[1] == "savepoint" for r in rows), rows
+    assert savepoint_name in [r[-1] for r in rows if r[1] == "savepoint"], rows
     assert {} == {t: p for t, p in problems.items() if p}, f"not on screen (see {screenshot})"
-    pointers = [r[-1] for r in rows]
-    assert all(p.startswith(("chk-", "savepoint-", "scheduled/savepoint-")) for p in pointers)
-    assert full_pointers >= 1, "the savepoint's full pointer is not on the page"
+    assert all(r[-1].startswith(("chk-", "savepoint-")) for r in rows), rows
 
 
 @pytest.mark.timeout(600)

@@ -212,7 +212,7 @@ def test_asset_page_shows_what_is_retained(
     waits = ["retained", savepoint_name]
     with asset_events_page(dagster_dev, tmp_path / "chromium-profile", waits, screenshot) as page:
         page.get_by_text("Hide navigation", exact=True).click()
-        page.get_by_text("Show navigation", exact=True).wait_for(timeout=10_000)
+        page.get_by_text("Hide navigation", exact=True).wait_for(state="hidden", timeout=10_000)
         header, *rows = shown_table(page)
         cells = retained_table_element(page)
         problems = {

@@ -202,21 +202,10 @@ def _tier_marks(item: pytest.Item) -> set[str]:
     return marks
 
 
-# scripts/test runs the suite on two xdist workers with --dist loadgroup: every test that
-# starts a JVM goes to one worker, in this group, one after the other. Two JVMs at once on two
-# cores would slow both and squeeze the timing margins of the Spark fault tests; module- and
-# session-scoped fixtures (the spark session, `dagster dev`) are then built once. The other
-# worker runs the rest, test by test.
-JVM_GROUP = "jvm"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker in sorted(_tier_marks(item) - {m.name for m in item.iter_markers()}):
             item.add_marker(marker)
-        if item.get_closest_marker("spark") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(JVM_GROUP))
 
 
 _REFUSING_JAVA = """#!/bin/sh

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TIERS = ("spark", "s3", "dagster", "slow")
+# Each test starts pytest (importing dagster and pyspark to collect): the full suite's.
+pytestmark = pytest.mark.slow
 
 # Collects the given files and prints each test's tier markers as JSON.
 _COLLECT = """

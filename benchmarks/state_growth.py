@@ -504,9 +504,9 @@ def _profile_ours() -> Phases:
     except ImportError:
         from pyspark.sql import DataFrame
 
-    import pipelines.keyed._driver as driver
     import pipelines.runner as runner
     from pipelines import FileSource
+    from pipelines.keyed import KeyedStageDriver
 
     phases = Phases()
     phases.wrap(FileSource, "batches", "source: list files")
@@ -514,9 +514,10 @@ def _profile_ours() -> Phases:
     phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
     phases.wrap(DataFrame, "count", "count", numbered=True)
     phases.wrap(DataFrame, "first", "first", numbered=True)
-    phases.wrap(driver, "apply_keyed_batch", "apply_keyed_batch (route + applyInArrow + "
+    # KeyedStageDriver.apply is apply_keyed_batch and the chains' bookkeeping.
+    phases.wrap(KeyedStageDriver, "apply", "apply_keyed_batch (route + applyInArrow + "
                 "collect handles)")
-    phases.wrap(driver.KeyedStageDriver, "prepare", "prepare (materialise if due)")
+    phases.wrap(KeyedStageDriver, "prepare", "prepare (materialise if due)")
     phases.wrap(runner.StatefulRunner, "checkpoint", "checkpoint (_metadata, GC)")
     phases.wrap(runner.StatefulRunner, "_recover_store", "recover checkpoint store")
     return phases

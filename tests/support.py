@@ -2,6 +2,7 @@
 
 import random
 import uuid
+from dataclasses import dataclass
 
 import fsspec
 
@@ -15,6 +16,18 @@ from checkpoint_storage import (
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A real filesystem to run a test against: ``url(name)`` gives a fresh directory URL."""
+
+    name: str
+    base_url: str
+    storage_options: dict
+
+    def url(self, *parts: str) -> str:
+        return "/".join((self.base_url, *parts))
 
 
 def payload(n: int, seed: int) -> bytes:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.examples.click_events import FIRST_PARTITION
-from tests.acceptance.conftest import user_activity_config
 from tests.acceptance.dagster_process import DagsterDev, metadata
+from tests.acceptance.support import user_activity_config
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 # Chromium as root, headless, on a machine without outside network: no sandbox, no GPU, and

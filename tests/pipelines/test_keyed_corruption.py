@@ -30,12 +30,13 @@ from pipelines import (
     job_id_for,
 )
 from sensors import pipeline_definitions
-from tests.pipelines.support import materialize_range, resources_for
-from tests.pipelines.test_keyed_runner import (
+from tests.pipelines.support import (
     SOURCE,
     TOTALS,
     customer_totals,
     expected,
+    materialize_range,
+    resources_for,
     state_of,
     storage_of,
 )

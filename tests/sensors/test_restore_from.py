@@ -11,8 +11,8 @@ import pytest
 from pipelines import SourcePosition, job_id_for
 from resources import SparkResource
 from tests.pipelines.support import click_pipeline
-from tests.sensors.conftest import materialize_range, pipeline_access, resources_for
-from tests.sensors.conftest import write_snapshot as snapshot
+from tests.sensors.support import materialize_range, pipeline_access, resources_for
+from tests.sensors.support import write_snapshot as snapshot
 
 SPARK_GUARD = "the Spark session was requested"
 

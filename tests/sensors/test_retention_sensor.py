@@ -13,14 +13,14 @@ import pytest
 import sensors.retention
 from pipelines import SourcePosition
 from sensors import RetentionPolicy, build_retention_sensor
-from tests.sensors.conftest import (
+from tests.sensors.support import (
     age,
     files_below,
     pipeline_access,
     storage_resource,
     unused_click_pipeline,
 )
-from tests.sensors.conftest import write_snapshot as snapshot
+from tests.sensors.support import write_snapshot as snapshot
 from tests.support import payload, write_state
 
 HOUR = 3600.0

@@ -115,3 +115,11 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_ELSEWHERE})
+
+# Errors name themselves by the path users import them from (as httpx does): a failed run's
+# message says `pipelines.MissingStateError`, not the private module that defines it.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) and issubclass(_value, Exception):
+        _value.__module__ = "pipelines"
+del _name, _value

@@ -213,7 +213,7 @@ def test_a_failure_is_summarised_as_the_users_error_in_one_line():
         "Python worker:\nTraceback (most recent call last):\n  File \"s.py\", line 3\n"
         "ValueError: bad\n", [], "PythonException")
     stage = SerializableErrorInfo(
-        "pipelines.runner.StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): "
+        "pipelines.StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): "
         "ValueError: bad\n", [], "StageError", cause=worker)
     step = SerializableErrorInfo(
         'dagster._core.errors.DagsterExecutionStepExecutionError: Error occurred while '

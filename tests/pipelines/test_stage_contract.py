@@ -247,7 +247,7 @@ def test_the_dagster_step_failure_carries_the_one_line(spark, tmp_path):
     error = failed.event_specific_data.error
 
     assert not result.success
-    assert (f"pipelines.runner.StageError: {BATCH_1.format('boom')}ValueError: bad row k=a"
+    assert (f"pipelines.StageError: {BATCH_1.format('boom')}ValueError: bad row k=a"
             == error.cause.message.strip())
     # what scripts/run prints of it
     assert f"StageError: {BATCH_1.format('boom')}ValueError: bad row k=a" == error_summary(error)

@@ -15,8 +15,7 @@ The runner's machinery (``KeyedStageDriver``, ``apply_keyed_batch``,
 stage types ``pipelines`` exports stay importable from here, outside ``__all__``.
 """
 
-import importlib
-
+from checkpoint_storage.spi import lazy_names
 from pipelines.keyed._aggregates import Aggregate, Aggregates, agg
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
@@ -109,13 +108,4 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module 'pipelines.keyed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _ELSEWHERE)

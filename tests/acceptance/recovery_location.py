@@ -25,7 +25,7 @@ from sensors import FAULT_TAG, pipeline_definitions
 
 __all__ = ["FAIL_AFTER", "HOURS", "MODES", "defs", "pipeline_of"]
 
-MODES = ("schedule", "sensor", "ui", "job_backfill", "asset_backfill", "dead_worker")
+MODES = ("schedule", "sensor", "ui", "job_backfill", "asset_backfill")
 HOURS = ("2026-10-01-00:00", "2026-10-01-01:00")
 # Each hour lands 3 batches, a checkpoint after each: a run fails after batch 2 of its first
 # hour, so its recovery restores the checkpoint after batch 1.

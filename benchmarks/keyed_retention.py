@@ -9,10 +9,11 @@ Usage::
     .venv/bin/python benchmarks/keyed_retention.py --compare-merging [--batches 200]
         [--repeats 2]
 
-The pipeline is test_keyed_runner's per-customer totals (a keyed stage, 16 key groups on 2
-ranges, local[2]), materialising a range after every 3 change files, over ``--batches``
-batches split across ``--partitions`` partitions (one run), so shared files are superseded
-and discarded the whole time. At the end (after the registry's pending deletions):
+The pipeline is per-customer order totals (a keyed stage, 16 key groups on 2 ranges,
+local[2]; the keyed totals of tests/pipelines), materialising a range after every 3 change
+files, over ``--batches`` batches split across ``--partitions`` partitions (one run), so
+shared files are superseded and discarded the whole time. At the end (after the registry's
+pending deletions):
 
 - ``shared/`` files == the files the retained checkpoints reference;
 - ``chk-*`` directories == the retained checkpoints (nothing else below the job directory
@@ -33,6 +34,7 @@ most 1.1x), and each run's retention check. A short run of each mode warms up fi
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 import time
@@ -42,6 +44,55 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
+from pyspark import cloudpickle  # noqa: E402
+from pyspark.sql import types as T  # noqa: E402
+
+from pipelines import KeyedResult, Source  # noqa: E402
+
+# Per-customer order totals: orders made up from the batch id (the same batch always has the
+# same rows), their count and total per customer as keyed state.
+TOTALS = pa.schema([pa.field("customer", pa.string(), nullable=False),
+                    ("orders", pa.int64()), ("total", pa.int64())])
+ORDER_SCHEMA = T.StructType([T.StructField("customer", T.StringType()),
+                             T.StructField("amount", T.LongType())])
+
+
+@dataclass(frozen=True)
+class Orders(Source):
+    """``per_partition`` batches of ``rows_per_batch`` orders by ``customers`` customers."""
+
+    per_partition: int = 4
+    customers: int = 40
+    rows_per_batch: int = 60
+
+    def batches(self, spark, partition):
+        return [f"{partition}-{i:03d}" for i in range(self.per_partition)]
+
+    def read(self, spark, partition, batch):
+        return spark.createDataFrame(self.rows(batch), ORDER_SCHEMA)
+
+    def rows(self, batch: str) -> list[tuple[str, int]]:
+        rng = random.Random(batch)
+        return [(f"c{rng.randrange(self.customers)}", rng.randrange(1, 100))
+                for _ in range(self.rows_per_batch)]
+
+
+def customer_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
+    batch = input.group_by("customer").aggregate([([], "count_all"), ("amount", "sum")])
+    joined = batch.join(state, "customer", join_type="left outer")
+    upserts = pa.table({
+        "customer": joined.column("customer"),
+        "orders": pc.add(joined.column("count_all"), pc.fill_null(joined.column("orders"), 0)),
+        "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
+    })
+    return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
+
+
+# by value: Spark's Python workers cannot import this module (benchmarks/ is not a package)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @dataclass
@@ -95,15 +146,13 @@ def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: in
         StatefulPipeline,
         StatefulRunner,
     )
-    from tests.pipelines import test_keyed_runner as totals
-    from tests.pipelines.keyed_fault_driver import Orders
 
     per_partition = -(-batches // partitions)
     names = [f"r{i:03d}" for i in range(partitions)]
     source = Orders(per_partition=per_partition)
     pipeline = StatefulPipeline(
         name="keyed_retention",
-        stages=[KeyedStage("totals", "customer", totals.TOTALS, totals.customer_totals)],
+        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
         source=source,
         partitions=dg.StaticPartitionsDefinition(names),
         checkpoint_interval=1,
@@ -165,12 +214,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from pyspark import cloudpickle
-
     from resources import build_spark_session
-    from tests.pipelines import test_keyed_runner
 
-    cloudpickle.register_pickle_by_value(test_keyed_runner)
     spark = build_spark_session("local[2]", "keyed-retention", {
         "spark.sql.shuffle.partitions": "4", "spark.ui.enabled": "false"})
     spark.sparkContext.setLogLevel("ERROR")

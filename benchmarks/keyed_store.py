@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pipelines.keyed._key_groups import hash_keys  # noqa: E402
+from pipelines.keyed import hash_keys  # noqa: E402
 
 SCHEMA = pa.schema([("key", pa.string()), ("page", pa.string()), ("count", pa.int64()),
                     ("seen", pa.timestamp("us"))])

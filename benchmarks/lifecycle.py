@@ -34,6 +34,7 @@ layer that logs each request, and test credentials in the environment.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import platform
@@ -170,7 +171,12 @@ class Row:
 
 def discovery(backend: Backend, n: int, repeats: int) -> list[Row]:
     from checkpoint_storage import CheckpointMetadata, store_checkpoint_metadata
-    from checkpoint_storage._metadata import encode_metadata
+
+    def encode_metadata(metadata: CheckpointMetadata) -> bytes:
+        """The `_metadata` bytes the library writes (a stream without a job lease)."""
+        buffer = io.BytesIO()
+        store_checkpoint_metadata(metadata, buffer)
+        return buffer.getvalue()
 
     access = new_job(backend, "discovery")
     fs = access._fs

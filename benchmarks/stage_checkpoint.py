@@ -219,7 +219,7 @@ class Bench:
         # Only checkpoint and restore_states are timed: the source is never read.
         pipeline = StatefulPipeline(
             name="stage_checkpoint_bench",
-            stages=[Stage("bench", self.df.schema, lambda s, i: (s, i))],
+            stages=[Stage("bench", self.df.schema, lambda i, s: (s, i))],
             source=FileSource(
                 url=os.path.join(base, "landing", "date={partition}"), schema=self.df.schema
             ),

@@ -31,7 +31,7 @@ the default 22 batches), batch wall and CPU
 seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
 from the checkpoint and processing one more batch. For ours it also prints the median time
 per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
-and, when a local copy of ``pipelines/keyed/_spark.py`` is instrumented to append one JSON
+and, when a local copy of ``pipelines/keyed/_executor.py`` is instrumented to append one JSON
 line per range and batch to ``$PIPELINES_KEYED_TIMINGS`` (step seconds under keys ending in
 ``_s``; not in the tree, as timing code does not belong in the task), the executor steps.
 With more than one S and ``--changed``, it checks ours' growth from the smallest to the
@@ -299,7 +299,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("total", T.LongType()), T.StructField("last_seen", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             batch = events.groupBy("user_id").agg(
                 F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
                 F.max("ts").alias("last_seen"),
@@ -314,7 +314,7 @@ def worker_before(workload: str, data: Path, work: Path, batches: int, phase: st
             T.StructField("event_id", T.StringType()), T.StructField("ts", T.TimestampType()),
         ])  # fmt: skip
 
-        def apply(state, events):
+        def apply(events, state):
             horizon = events.agg(F.max("ts")).first()[0]
             fresh = events.select("event_id", "ts").join(state, "event_id", "left_anti")
             kept = state.unionByName(fresh).where(
@@ -504,9 +504,9 @@ def _profile_ours() -> Phases:
     except ImportError:
         from pyspark.sql import DataFrame
 
-    import pipelines.keyed._driver as driver
     import pipelines.runner as runner
     from pipelines import FileSource
+    from pipelines.keyed import KeyedStageDriver
 
     phases = Phases()
     phases.wrap(FileSource, "batches", "source: list files")
@@ -514,9 +514,10 @@ def _profile_ours() -> Phases:
     phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
     phases.wrap(DataFrame, "count", "count", numbered=True)
     phases.wrap(DataFrame, "first", "first", numbered=True)
-    phases.wrap(driver, "apply_keyed_batch", "apply_keyed_batch (route + applyInArrow + "
+    # KeyedStageDriver.apply is apply_keyed_batch and the chains' bookkeeping.
+    phases.wrap(KeyedStageDriver, "apply", "apply_keyed_batch (route + applyInArrow + "
                 "collect handles)")
-    phases.wrap(driver.KeyedStageDriver, "prepare", "prepare (materialise if due)")
+    phases.wrap(KeyedStageDriver, "prepare", "prepare (materialise if due)")
     phases.wrap(runner.StatefulRunner, "checkpoint", "checkpoint (_metadata, GC)")
     phases.wrap(runner.StatefulRunner, "_recover_store", "recover checkpoint store")
     return phases
@@ -541,7 +542,7 @@ def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str)
     from pipelines import StatefulRunner
 
     timings = work / f"executor-timings-{phase}.jsonl"
-    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _spark.py
+    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _executor.py
     spark = _spark("ours")
     phases = _profile_ours()
     landing, names = _land(data, work, batches)

@@ -14,12 +14,11 @@ is documented in ``checkpoint_storage.spi``; Apache Flink's checkpoints are read
 package too, so that existing code keeps working.
 """
 
-import importlib
-
 from checkpoint_storage import exceptions, spi
 from checkpoint_storage._filesystems import url_to_fs
 from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._ids import JobID
+from checkpoint_storage._lazy import lazy_names
 from checkpoint_storage._lease import LeaseRecord, break_job_lease, read_job_lease
 from checkpoint_storage._metadata import CheckpointMetadata, load_checkpoint_metadata
 from checkpoint_storage._metadata_json import metadata_as_json
@@ -112,13 +111,4 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module 'checkpoint_storage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _ELSEWHERE)

@@ -49,7 +49,31 @@ DEFAULT_MAX_MEMORY_STATE_SIZE = 5 * 1024 * 1024
 
 
 class CheckpointStorage(ABC):
-    """Creates each job's storage access and resolves checkpoint pointers."""
+    """Creates each job's storage access and resolves checkpoint pointers.
+
+    What a storage can do is declared here, with the defaults of a storage that cannot, so
+    that callers read it instead of probing with ``getattr``/``hasattr``:
+
+    - ``storage_options``: the fsspec options its files are read with (default: none);
+    - ``savepoint_directory``: where savepoints go by default (None: no default location);
+    - ``file_merging_enabled``: whether writers may pack several states into one physical
+      file (Flink's file merging; default False);
+    - ``resumes_physical_files``: whether a writer that lives for one checkpoint (a Spark
+      task) appends its SHARED state to the physical file its subtask wrote last (default
+      False)."""
+
+    savepoint_directory: str | None = None
+    file_merging_enabled: bool = False
+
+    @property
+    def storage_options(self) -> dict:
+        """The fsspec options this storage's files are read with."""
+        return {}
+
+    @property
+    def resumes_physical_files(self) -> bool:
+        """Whether one-checkpoint writers append SHARED state to their subtask's last file."""
+        return False
 
     @abstractmethod
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess: ...
@@ -281,10 +305,14 @@ class MemoryCheckpointStorage(CheckpointStorage):
     ) -> None:
         if not isinstance(max_state_size, int) or max_state_size <= 0:
             raise ValueError(f"max_state_size must be > 0, got {max_state_size!r}")
-        self.storage_options = dict(storage_options or {})
+        self._storage_options = dict(storage_options or {})
         self.checkpoint_directory = _optional_directory(checkpoint_dir, self.storage_options)
         self.savepoint_directory = _optional_directory(savepoint_dir, self.storage_options)
         self.max_state_size = max_state_size
+
+    @property
+    def storage_options(self) -> dict:
+        return self._storage_options
 
     def create_checkpoint_storage(self, job_id: JobID | str) -> CheckpointStorageAccess:
         return MemoryCheckpointStorageAccess(self, job_id)

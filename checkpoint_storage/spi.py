@@ -51,6 +51,8 @@ Flink model; it is here, grouped by what it is for:
   options with secrets read from environment variables, a guard against credentials travelling
   to executors, sizes and ages for people, and a pointer in its canonical form.
   ``checkpoint_storage.url_to_fs`` opens a URL.
+- **Packaging** (``lazy_names``): how a package built on the library keeps names outside
+  its narrow ``__all__`` importable, each imported on first use.
 - **Tool helpers** for operator tools built on the library, like the ``checkpoints`` command
   (``snapshot_kind``, ``corruption_of``, ``job_storage``, ``default_lease_owner``,
   ``decode_master_state``): a snapshot's kind from its path, what a load error says about a
@@ -99,6 +101,7 @@ from checkpoint_storage._handles import (
     SegmentFileStateHandle,
     StreamStateHandle,
 )
+from checkpoint_storage._lazy import lazy_names
 from checkpoint_storage._lease import DEFAULT_LEASE_TTL, JobLease, default_lease_owner
 from checkpoint_storage._locations import (
     CheckpointMetadataOutputStream,
@@ -219,6 +222,8 @@ __all__ = [
     "normalize_pointer",
     "options_with_environment",
     "refuse_credentials",
+    # packaging
+    "lazy_names",
     # tool helpers
     "corruption_of",
     "decode_master_state",

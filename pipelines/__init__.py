@@ -14,8 +14,7 @@ groups, change files and chains, local stores). Names of those that this package
 before stay importable from here, so that existing code keeps working.
 """
 
-import importlib
-
+from checkpoint_storage.spi import lazy_names
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
 from pipelines._sources import FileSource, Source, SparkReadSource
 from pipelines._spec import SOURCE, Stage, StatefulPipeline
@@ -105,13 +104,12 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module 'pipelines' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, globals(), _ELSEWHERE)
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
+# Errors name themselves by the path users import them from (as httpx does): a failed run's
+# message says `pipelines.MissingStateError`, not the private module that defines it.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type) and issubclass(_value, Exception):
+        _value.__module__ = "pipelines"
+del _name, _value

@@ -5,6 +5,7 @@ checkpoints and how many checkpoints it keeps. The runner executes it; the Dagst
 (``sensors.pipeline_definitions``) turns it into assets, checks, jobs, schedules and sensors.
 """
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +37,11 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 
 @dataclass(frozen=True)
 class Stage:
-    """A stateful step over DataFrames: ``apply(state, input) -> (new_state, output)``, where
+    """A stateful step over DataFrames: ``apply(input, state) -> (new_state, output)``, where
     the new state has ``state_schema``. Its state is small enough to snapshot whole at every
-    checkpoint (Flink's operator state).
+    checkpoint (Flink's operator state). Input first, as a keyed stage's ``apply``, Spark's
+    ``handleInputRows`` and Flink's ``processElement`` take it; a function whose first
+    parameter is named ``state`` (the order before, ``(state, input)``) is refused.
 
     ``input`` names what the stage reads: ``SOURCE`` (the pipeline's source batches) or an
     earlier stage's name (that stage's output). ``None``: the previous stage's output, or the
@@ -58,6 +61,30 @@ class Stage:
             raise TypeError(f"stage {self.name}: state_schema must be a pyspark StructType")
         if not callable(self.apply):
             raise TypeError(f"stage {self.name}: apply must be callable")
+        _refuse_state_first(f"stage {self.name}", self.apply)
+
+
+_STATE_NAME = re.compile(r"(\w+_)?state")
+
+
+def _refuse_state_first(where: str, apply: Callable) -> None:
+    """Refuse an ``apply`` written for the old order, ``(state, input)``, as far as its
+    parameter names tell (``state``, ``old_state``, ...; ``(s, i)`` cannot be told apart):
+    called in the new order it would treat the batch as the state, silently."""
+    try:
+        parameters = inspect.signature(apply).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature to read (a builtin)
+        return
+    names = [p.name for p in parameters
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    if len(names) == 2 and _STATE_NAME.fullmatch(names[0]) and not _STATE_NAME.fullmatch(
+            names[1]):
+        function = getattr(apply, "__name__", "apply")
+        raise TypeError(
+            f"{where}: {function}({names[0]}, {names[1]}, ...) takes the state first, but a "
+            "stage's apply takes (input, state): input first, like a keyed stage's (the order "
+            "changed; see the changelog). Swap its parameters: "
+            f"def {function}({names[1]}, {names[0]}, ...)")
 
 
 class PartitionOrder:

@@ -6,7 +6,7 @@ completed checkpoint, with a line per partition, batch and checkpoint as it goes
 the check's result, what is retained (checkpoints and savepoints with their positions), the
 commands that read the state and backfill from it, and where everything is.
 
-    python -m pipelines.main [--days N | --until YYYY-MM-DD]
+    python -m pipelines.main [--days N | --until YYYY-MM-DD [--yes]]
 """
 
 import argparse
@@ -32,7 +32,9 @@ from pipelines.examples.click_events import FIRST_PARTITION, NAME, STAGES
 from sensors import INTERRUPTED_TAG, RetainedSnapshot, retained_snapshots
 
 __all__ = [
+    "UNTIL_CONFIRM_ABOVE",
     "backfill_command",
+    "confirm_until",
     "error_summary",
     "main",
     "next_partitions",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 DEFAULT_DAYS = 3
+# ``--until`` picks every missing day up to it: beyond a month of partitions (hours of Spark
+# work, and likely a mistyped year) the run asks first, or wants --yes.
+UNTIL_CONFIRM_ABOVE = 31
 # Spark's own console: errors only, without the banner of its default logging profile.
 SPARK_LOG_CONFIG = Path(__file__).with_name("log4j2-console.properties")
 
@@ -91,9 +96,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_day,
         metavar="YYYY-MM-DD",
         help="process every partition not processed yet up to and including this day "
-        "(never today or later: a day is complete once it is over)",
+        "(never today or later: a day is complete once it is over); more than "
+        f"{UNTIL_CONFIRM_ABOVE} partitions are processed only once confirmed, or with --yes",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--yes",
+        action="store_true",
+        help=f"with --until: process more than {UNTIL_CONFIRM_ABOVE} partitions without asking",
+    )
+    args = parser.parse_args(argv)
+    if args.yes and args.until is None:
+        parser.error("argument --yes: only with --until")
+    return args
+
+
+def confirm_until(
+    partitions: list[str], until: dt.date | None, today: dt.date, yes: bool = False,
+    answer=None,
+) -> str | None:
+    """None when the run may process ``partitions``; else why not (the message to exit with).
+    ``--until`` today or later says that it stops at yesterday; more than
+    ``UNTIL_CONFIRM_ABOVE`` partitions need ``yes`` or an answer ``y`` from ``answer`` (a
+    function that asks, None when nobody can be asked: no terminal)."""
+    if until is None:
+        return None
+    yesterday = today - dt.timedelta(days=1)
+    if until > yesterday:
+        print(f"--until {until} is not over yet: processing up to yesterday, {yesterday} "
+              "(a day's partition exists once the day is over)", flush=True)  # fmt: skip
+    if len(partitions) <= UNTIL_CONFIRM_ABOVE or yes:
+        return None
+    what = f"{len(partitions)} partitions, {partitions[0]} to {partitions[-1]}"
+    if answer is not None:
+        reply = answer(f"--until {until} selects {what}. Process them all? [y/N] ")
+        if reply.strip().lower() in ("y", "yes"):
+            return None
+    return (
+        f"--until {until} selects {what} (more than {UNTIL_CONFIRM_ABOVE}): nothing processed. "
+        "Pass --yes to process them all, or choose an earlier --until or --days N."
+    )
 
 
 def next_partitions(
@@ -349,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     today = dt.datetime.now(dt.UTC).date()
     days = None if args.until is not None else args.days
     partitions = next_partitions(latest, days, today, args.until)
+    refused = confirm_until(
+        partitions, args.until, today, args.yes, input if sys.stdin.isatty() else None
+    )
+    if refused:
+        print(refused, file=sys.stderr, flush=True)
+        return 2
     print(f"Dagster instance: {home}")
     print(
         f"Latest completed checkpoint: {latest or 'none'}; "

@@ -15,26 +15,18 @@ batches after it. Sinks write per partition (and batch) idempotently, so replays
 """
 
 import datetime as dt
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 
-import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import (
     CheckpointMetadata,
-    CheckpointNotFoundError,
     CheckpointRetentionPolicy,
     CheckpointStorage,
     CommitStateUnknownError,
-    InvalidCheckpointError,
-    JobID,
     RestoreMode,
     VerificationProblem,
     url_to_fs,
@@ -44,37 +36,39 @@ from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
-    STATE_SCHEMA_PREFIX,
-    AlsoRetained,
     CheckpointProperties,
     CheckpointStorageLocation,
     CompletedCheckpoint,
     CompletedCheckpointStorageLocation,
     FileSystemCompletedCheckpointStore,
-    OperatorState,
-    OperatorSubtaskState,
-    StreamStateHandle,
     format_size,
     store_checkpoint_metadata,
     verify_state_handles,
 )
-from pipelines._spec import SOURCE, PartitionOrder, StatefulPipeline
-from pipelines.keyed import (
-    DEFAULT_LOCAL_STORE_MAX_AGE,
-    KeyedStage,
-    KeyedStageDriver,
-    KeyedStageState,
+from pipelines._positions import (
+    SourcePosition,
+    _position_key,
+    batches_digest,
+    head_of,
+    job_id_for,
+    partition_ends,
+    position_retention,
 )
-from pipelines.state_io import (
-    HANDLE_ROW_SCHEMA,
-    HANDLE_ROW_TYPE,
-    StateReadTask,
-    StateWriteTask,
-    handle_from_row,
-    handle_to_row,
-    read_state_partition,
-    write_state_partition,
+from pipelines._restore_checks import (
+    ClaimRefusedError,
+    CorruptStateError,
+    DamagedState,
+    MissingStateError,
+    _does_not_fit_message,
+    _handle_key,
+    _starts_after,
+    check_claim,
+    check_restore_from,
+    damaged_state,
 )
+from pipelines._spec import SOURCE, StatefulPipeline
+from pipelines._stage_kinds import empty_state, stage_kinds
+from pipelines.keyed import DEFAULT_LOCAL_STORE_MAX_AGE
 
 __all__ = [
     "SCHEDULED_SAVEPOINTS",
@@ -103,233 +97,6 @@ logger = logging.getLogger(__name__)
 
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
-
-
-def job_id_for(pipeline_name: str) -> JobID:
-    """A stable job id per pipeline, so that every run of it shares one checkpoint directory
-    and recovery finds the previous runs' checkpoints."""
-    return JobID.from_hex(hashlib.sha256(pipeline_name.encode()).hexdigest()[:32])
-
-
-def batches_digest(batches: Sequence[str]) -> str:
-    """A digest of an ordered list of batch ids: a position records the one of the batches it
-    applied, so a restart can tell that the list it sees now starts with the same batches."""
-    return hashlib.sha256(json.dumps(list(batches)).encode()).hexdigest()[:32]
-
-
-@dataclass(frozen=True, order=True)
-class SourcePosition:
-    """How far the input has been applied to the state: the first ``batches`` batches of
-    ``partition`` (and every earlier partition); ``complete`` once all of its batches are.
-    ``digest`` identifies the batches applied (``batches_digest``); positions written before
-    it existed have none."""
-
-    partition: str
-    batches: int
-    complete: bool
-    digest: str | None = field(default=None, compare=False)
-
-    def to_bytes(self) -> bytes:
-        raw = {"partition": self.partition, "batches": self.batches, "complete": self.complete}
-        if self.digest is not None:
-            raw["digest"] = self.digest
-        return json.dumps(raw, sort_keys=True).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "SourcePosition":
-        try:
-            raw = json.loads(data)
-            digest = raw.get("digest")
-            position = cls(
-                str(raw["partition"]),
-                int(raw["batches"]),
-                bool(raw["complete"]),
-                None if digest is None else str(digest),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise InvalidCheckpointError(f"malformed source position {data[:100]!r}") from exc
-        if position.batches < 0:
-            raise InvalidCheckpointError(f"malformed source position {data[:100]!r}")
-        return position
-
-    @classmethod
-    def of(cls, metadata: CheckpointMetadata) -> "SourcePosition":
-        data = metadata.master_states.get(SOURCE_POSITION_STATE)
-        if data is None:
-            raise InvalidCheckpointError(
-                f"checkpoint {metadata.checkpoint_id} has no source position: it was not "
-                "written by a pipeline"
-            )
-        return cls.from_bytes(data)
-
-    def fits(self, partition: str, order: PartitionOrder) -> bool:
-        """Whether this state is where processing ``partition`` can start: after the whole
-        previous partition, or part-way into ``partition``."""
-        if self.partition == partition:
-            return not self.complete
-        return self.complete and self.partition == order.previous(partition)
-
-    def __str__(self) -> str:
-        if self.complete:
-            return f"end of {self.partition}"
-        return f"{self.partition} after batch {self.batches}"
-
-
-def _position_key(position: SourcePosition, order: PartitionOrder) -> tuple | None:
-    """How far ``position`` is, comparable across positions (partition order, then the end
-    of a partition after any batch count inside it); None for a partition the pipeline no
-    longer has."""
-    rank = order.rank(position.partition)
-    return None if rank is None else (rank, position.complete, position.batches)
-
-
-def _positioned(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
-                ) -> list[tuple[tuple, CompletedCheckpoint]]:
-    """The regular checkpoints with their position key, those of pipelines' positions only."""
-    found = []
-    for checkpoint in checkpoints:
-        if checkpoint.is_savepoint():
-            continue
-        try:
-            key = _position_key(SourcePosition.of(checkpoint.metadata), order)
-        except InvalidCheckpointError:
-            continue
-        if key is not None:
-            found.append((key, checkpoint))
-    return found
-
-
-def head_of(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder
-            ) -> CompletedCheckpoint | None:
-    """The pipeline's head: the checkpoint of the furthest position (the newest of those
-    there), which need not be the newest checkpoint after a rewind."""
-    positioned = _positioned(checkpoints, order)
-    if not positioned:
-        return None
-    return max(positioned, key=lambda p: (p[0], p[1].checkpoint_id))[1]
-
-
-def partition_ends(checkpoints: Sequence[CompletedCheckpoint], order: PartitionOrder,
-                   count: int) -> dict[str, CompletedCheckpoint]:
-    """The newest checkpoint at the end of each of the last ``count`` partitions up to the
-    head (the head's own partition if it is complete there), by partition; partitions with no
-    such checkpoint are left out."""
-    head = head_of(checkpoints, order)
-    if head is None or count <= 0:
-        return {}
-    position = SourcePosition.of(head.metadata)
-    partition = position.partition if position.complete else order.previous(position.partition)
-    window = []
-    while partition is not None and len(window) < count:
-        window.append(partition)
-        partition = order.previous(partition)
-    ends: dict[str, CompletedCheckpoint] = {}
-    for _, checkpoint in _positioned(checkpoints, order):
-        at = SourcePosition.of(checkpoint.metadata)
-        if at.complete and at.partition in window:
-            newest = ends.get(at.partition)
-            if newest is None or checkpoint.checkpoint_id > newest.checkpoint_id:
-                ends[at.partition] = checkpoint
-    return ends
-
-
-def position_retention(pipeline: StatefulPipeline) -> AlsoRetained:
-    """The pipeline's retention rule on top of its newest ``max_retained_checkpoints``: the
-    head (a rewind writes newer ids at earlier positions, which must not subsume the only
-    checkpoint of the furthest one) and the ends of its last ``retain_partition_ends``
-    partitions (time travel)."""
-    order, count = pipeline.order, pipeline.retain_partition_ends
-
-    def also_retained(checkpoints: Sequence[CompletedCheckpoint]) -> set[int]:
-        head = head_of(checkpoints, order)
-        kept = {c.checkpoint_id for c in partition_ends(checkpoints, order, count).values()}
-        return kept | ({head.checkpoint_id} if head is not None else set())
-
-    return also_retained
-
-
-class MissingStateError(LookupError):
-    """No snapshot holds the state a partition needs to start from."""
-
-
-class ClaimRefusedError(ValueError):
-    """A CLAIM restore of a checkpoint that lies outside the pipeline's own job directory."""
-
-
-def check_claim(
-    access, location: CompletedCheckpointStorageLocation, metadata: CheckpointMetadata,
-    mode: RestoreMode,
-) -> None:
-    """Refuse (``ClaimRefusedError``) a CLAIM of a checkpoint outside ``access``'s job
-    directory. CLAIM hands the snapshot to this job's retention, which deletes it and its
-    shared files once subsumed: state that the job owning that directory still lists and
-    references (its retained checkpoints, later increments), and which this job's
-    checkpoints could not reference (their paths must stay inside this job directory). A
-    savepoint is self-contained and owned by no job: it may be claimed from anywhere."""
-    if RestoreMode(mode) is not RestoreMode.CLAIM or metadata.properties.is_savepoint():
-        return
-    pointer = location.external_pointer.rstrip("/")
-    own = (access.checkpoints_directory or "").rstrip("/")
-    if own and pointer.rsplit("/", 1)[0] == own:
-        return
-    raise ClaimRefusedError(
-        f"restore_from {pointer} in CLAIM mode: the checkpoint is not in this pipeline's job "
-        f"directory {own or '(none configured)'}, so it belongs to another job (another "
-        "pipeline, or another checkpoint directory), whose checkpoints may still reference its "
-        "files; claiming it would let this pipeline's retention delete them. Nothing was run: "
-        "use NO_CLAIM (restore_mode RestoreMode.NO_CLAIM), which copies the state into this "
-        "pipeline's own checkpoints and never deletes the snapshot"
-    )
-
-
-class CorruptStateError(MissingStateError):
-    """A snapshot's state files do not verify (corrupt, missing or unreadable) and no verified
-    copy of that state is at hand: the message names the files and the way out."""
-
-
-@dataclass(frozen=True)
-class DamagedState:
-    """The state of one stage's subtask whose files do not verify: a keyed stage's key group
-    range (``key_groups``, e.g. "0-7"; its operator index is ``subtask``), or a DataFrame
-    stage's snapshot part (``key_groups`` None)."""
-
-    stage: str
-    subtask: int
-    key_groups: str | None
-    problems: tuple[VerificationProblem, ...]
-
-    @property
-    def keyed(self) -> bool:
-        return self.key_groups is not None
-
-    def __str__(self) -> str:
-        where = (f"stage {self.stage} key groups {self.key_groups}" if self.keyed
-                 else f"stage {self.stage} subtask {self.subtask}")
-        return f"{where}: " + "; ".join(f"{p.path} ({p.kind})" for p in self.problems)
-
-
-def _handle_key(handle: StreamStateHandle) -> tuple:
-    """What identifies a handle's bytes across checkpoints (as verification reads them once)."""
-    return (type(handle).__name__, getattr(handle, "path", None),
-            getattr(handle, "start_position", None), handle.state_size,
-            getattr(handle, "checksum", None))
-
-
-def damaged_state(
-    metadata: CheckpointMetadata, problems: Sequence[VerificationProblem]
-) -> list[DamagedState]:
-    """Which stages' subtasks (keyed ranges) of ``metadata`` hold the handles of ``problems``
-    (from ``verify_checkpoint`` or ``verify_state_handles``)."""
-    by_key = {_handle_key(p.handle): p for p in problems if p.handle is not None}
-    damaged = []
-    for operator in metadata.operator_states:
-        for subtask, state in sorted(operator.subtask_states.items()):
-            found = tuple(by_key[_handle_key(h)] for h in state.handles
-                          if _handle_key(h) in by_key)
-            if found:
-                damaged.append(DamagedState(operator.operator_id, subtask,
-                                            state.properties.get("keyed.key_groups"), found))
-    return damaged
 
 
 class BatchListChangedError(RuntimeError):
@@ -374,51 +141,6 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
-def _starts_after(order: PartitionOrder, partition: str) -> str:
-    previous = order.previous(partition)
-    return "empty state" if previous is None else f"the end of {previous}"
-
-
-def _does_not_fit_message(
-    pointer: str, position: SourcePosition, partition: str, order: PartitionOrder
-) -> str:
-    return (
-        f"{pointer} holds the state at {position}, but processing {partition} starts from "
-        f"{_starts_after(order, partition)} (or from within {partition}): choose a snapshot "
-        "that fits, or a range that starts right after it"
-    )
-
-
-def check_restore_from(
-    storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline,
-    mode: RestoreMode | str = RestoreMode.NO_CLAIM,
-) -> SourcePosition:
-    """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
-    to validate and to fit ``partition``; ``MissingStateError`` with a clear message
-    otherwise, ``ClaimRefusedError`` for a CLAIM (``mode``) that ``check_claim`` refuses.
-    Storage only (reads one `_metadata`): run it before any Spark work."""
-    partition = pipeline.order.check(partition)
-    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
-    try:
-        location = access.resolve_checkpoint(pointer)
-        metadata = location.load_metadata()
-        position = SourcePosition.of(metadata)
-    except CheckpointNotFoundError as exc:
-        raise MissingStateError(
-            f"restore_from {pointer} does not exist (no completed `_metadata` there: {exc}): "
-            "name a savepoint or checkpoint directory that holds a `_metadata`, e.g. from "
-            "`checkpoints list <savepoint_dir>` (scheduled ones are in <savepoint_dir>/scheduled)"
-        ) from exc
-    except InvalidCheckpointError as exc:
-        raise MissingStateError(f"restore_from {pointer} is not a usable snapshot: {exc}") from exc
-    if not position.fits(partition, pipeline.order):
-        raise MissingStateError(
-            _does_not_fit_message(location.external_pointer, position, partition, pipeline.order)
-        )
-    check_claim(access, location, metadata, RestoreMode(mode))
-    return position
-
-
 @dataclass(frozen=True)
 class CheckpointSummary:
     """A checkpoint (or savepoint) the runner completed: its id and pointer, the position its
@@ -461,21 +183,17 @@ class PartitionResult:
 FaultHook = Callable[..., None]
 
 
-def empty_state(spark: SparkSession, stage) -> DataFrame:
-    return spark.createDataFrame([], stage.state_schema)
-
-
 def _unmerged_state(storage: CheckpointStorage, pipeline: StatefulPipeline) -> str | None:
     """What file merging, enabled on ``storage``, leaves unmerged in ``pipeline`` (None:
     nothing, or merging is off). A Spark task writes one file per checkpoint, so only a
     keyed range's change files, appended across checkpoints, can be packed."""
-    if not getattr(storage, "file_merging_enabled", False):
+    if not storage.file_merging_enabled:
         return None
     unmerged = []
     if len(pipeline.keyed_stages) < len(pipeline.stages):
         unmerged.append("the state of DataFrame stages is written one file per Spark task "
                         "and checkpoint")
-    if pipeline.keyed_stages and not getattr(storage, "resumes_physical_files", False):
+    if pipeline.keyed_stages and not storage.resumes_physical_files:
         unmerged.append("the change files of keyed stages are packed only with "
                         "file_merging_across_checkpoint_boundary=True, on local disk (an "
                         "object cannot be appended to); they are one file per range and "
@@ -542,18 +260,17 @@ class StatefulRunner:
             # Said once, not ignored silently: a user who enabled it expects packed files.
             logger.warning("pipeline %s: the checkpoint storage enables file merging, but %s "
                            "(docs/design.md, 7.7)", pipeline.name, unmerged)
-        self._keyed: KeyedStageDriver | None = None
-        if pipeline.keyed_stages:
-            self._keyed = KeyedStageDriver(
-                spark, storage, str(self.job_id), pipeline.max_parallelism,
-                pipeline.keyed_parallelism, pipeline.materialisation, keyed_local_dir,
-                task_after_write, keyed_local_max_age, local_lock_timeout=lease_ttl)
-        # The index of the keyed stage that is the source's only reader, if one is: it reads
-        # and counts each batch in its one pass, so the batch is not pinned first.
+        # How each stage is run, by name: one interface for both stage kinds.
+        self._kinds = stage_kinds(
+            spark, storage, pipeline, str(self.job_id), after_write=task_after_write,
+            keyed_local_dir=keyed_local_dir, keyed_local_max_age=keyed_local_max_age,
+            local_lock_timeout=lease_ttl)
+        # The index of the stage that is the source's only reader, if one is and it counts its
+        # input in its one pass (a keyed stage): the batch is then not pinned first.
         readers = [n for n in range(len(self.stages)) if pipeline.input_of(n) == SOURCE]
-        self._keyed_source_reader = (
-            readers[0] if len(readers) == 1 and isinstance(self.stages[readers[0]], KeyedStage)
-            else None)
+        self._counting_source_reader = (
+            readers[0] if len(readers) == 1
+            and self._kinds[self.stages[readers[0]].name].counts_its_input else None)
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None
@@ -741,7 +458,8 @@ class StatefulRunner:
             position = SourcePosition(partition, len(batches), True, batches_digest(batches))
         for sink in self.pipeline.sinks:
             if sink.of == "state":
-                sink.write(self.spark, self._state_frame(states[sink.stage]), partition, None)
+                sink.write(self.spark, self._kinds[sink.stage].frame(states[sink.stage]),
+                           partition, None)
         final = self.checkpoint(states, position)
         taken.append(final)
         progress(_checkpoint_line(final))
@@ -769,7 +487,7 @@ class StatefulRunner:
         their cost). A stage's failure is a ``StageError`` naming stage, partition and batch."""
         batch = batches[index]
         data = self.pipeline.source.read(self.spark, partition, batch)
-        if self._keyed_source_reader is not None:
+        if self._counting_source_reader is not None:
             # Pinning it first would cost two Spark jobs per batch.
             outputs, count = {SOURCE: data}, None
         else:
@@ -777,48 +495,30 @@ class StatefulRunner:
             outputs = {SOURCE: data.localCheckpoint(eager=True)}
             count = outputs[SOURCE].count()
         notes: list[str] = []
-        keyed_batches = []
+        applied = []
         for number, stage in enumerate(self.stages):
-            input = outputs[self.pipeline.input_of(number)]
-            failed = partial(self._stage_error, stage.name, partition, batches, index)
-            if isinstance(stage, KeyedStage):
+            kind = self._kinds[stage.name]
+            if kind.writes_between_checkpoints:
                 notes += self._prepare_interval(states)
-                checkpoint_id, location = self._pending_location()
-                try:
-                    states[stage.name], batch_result = self._keyed.apply(
-                        states[stage.name], input, checkpoint_id, location.location_reference,
-                        index)
-                except Exception as exc:
-                    raise failed(exc) from exc
-                notes += _rebuild_notes(stage.name, batch_result.ranges)
-                keyed_batches.append(batch_result)
-                rows[stage.name] += batch_result.output_rows
-                if number == self._keyed_source_reader:
-                    count = batch_result.input_rows
-                # Read from the batch's persisted pass by each consumer, released below.
-                outputs[stage.name] = batch_result.output
-                continue
-            old = states[stage.name]
             try:
-                new_state, output = stage.apply(old, input)
-                # Before any Spark job: a state unlike its schema never reaches a checkpoint.
-                _check_state_schema(stage, new_state)
-                # Materialise once and cut the lineage, so that state does not grow a plan of
-                # every batch ever applied; the checkpoint then writes from these blocks.
-                output = output.localCheckpoint(eager=True)
-                rows[stage.name] += output.count()
-                states[stage.name] = new_state.localCheckpoint(eager=True)
+                states[stage.name], result = kind.apply(
+                    outputs[self.pipeline.input_of(number)], states[stage.name],
+                    self._pending_location, index)
             except Exception as exc:
-                raise failed(exc) from exc
-            old.unpersist()
-            outputs[stage.name] = output
+                raise self._stage_error(stage.name, partition, batches, index, exc) from exc
+            applied.append(result)
+            notes += result.notes
+            rows[stage.name] += result.output_rows
+            if number == self._counting_source_reader:
+                count = result.input_rows
+            outputs[stage.name] = result.output
         for sink in self.pipeline.sinks:
             if sink.of == "output":
                 sink.write(self.spark, outputs[sink.stage], partition, index)
         for output in outputs.values():
             output.unpersist()
-        for batch_result in keyed_batches:
-            batch_result.release()
+        for result in applied:
+            result.release()
         rows[SOURCE] += count
         return count, notes
 
@@ -858,22 +558,19 @@ class StatefulRunner:
         runner's parallelism, and materialise the ranges that are due (every range after a
         restore of a savepoint or a NO_CLAIM restore, so that the next checkpoint references
         no file of the restored snapshot). Returns notes on local stores rebuilt meanwhile."""
-        if self._interval_prepared or self._keyed is None:
+        writing = [k for k in self._kinds.values() if k.writes_between_checkpoints]
+        if self._interval_prepared or not writing:
             return []
-        checkpoint_id, location = self._pending_location()
+        self._pending_location()
         full = self._full_snapshot_due or self.store.requires_full_checkpoint()
         notes = []
-        for stage in self.pipeline.keyed_stages:
-            states[stage.name], results = self._keyed.prepare(
-                states[stage.name], checkpoint_id, location.location_reference, full=full)
-            notes += _rebuild_notes(stage.name, results)
+        for kind in writing:
+            states[kind.stage.name], prepared = kind.prepare(
+                states[kind.stage.name], self._pending_location, full=full)
+            notes += prepared
         self._interval_prepared = True
         self._full_snapshot_due = False
         return notes
-
-    def _state_frame(self, state: "DataFrame | KeyedStageState") -> DataFrame:
-        """A stage's whole state as a DataFrame (a keyed stage's replayed from its chains)."""
-        return self._keyed.frame(state) if isinstance(state, KeyedStageState) else state
 
     def checkpoint(
         self, states: dict[str, DataFrame], position: SourcePosition
@@ -941,48 +638,15 @@ class StatefulRunner:
         }
         operator_states = []
         state_rows, expired_rows = {}, {}
-        options = self.storage.storage_options if hasattr(self.storage, "storage_options") else {}
         try:
             for stage in self.stages:
-                state = states[stage.name]
-                if isinstance(state, KeyedStageState):
-                    if properties.is_savepoint():  # self-contained: full snapshots inside it
-                        state = self._keyed.snapshot(state, checkpoint_id,
-                                                     location.location_reference)
-                    operator_states.append(state.operator_state())
-                    master.update(state.master_states())
-                    expired_rows[stage.name] = state.expired_rows
-                    state_rows[stage.name] = state.rows - (expired_rows[stage.name] or 0)
-                    continue
-                schema = to_arrow_schema(state.schema, timezone="UTC")
-                task = StateWriteTask(
-                    self.storage,
-                    str(self.job_id),
-                    checkpoint_id,
-                    location.location_reference,
-                    stage.name,
-                    schema,
-                    self._task_after_write,
-                )
-                written = state.mapInArrow(
-                    partial(write_state_partition, task), HANDLE_ROW_TYPE
-                ).collect()
-                subtasks = {
-                    row["subtask"]: OperatorSubtaskState(
-                        (handle_from_row(row.asDict(), options),),
-                        {"rows": str(row["rows"]), "expired_rows": "0",
-                         "attempt": str(row["attempt"])},
-                    )
-                    for row in written
-                }
-                if sorted(subtasks) != list(range(len(written))):
-                    raise RuntimeError(f"stage {stage.name}: subtasks {sorted(subtasks)} reported")
-                operator_states.append(
-                    OperatorState(stage.name, max(len(written), 1), subtask_states=subtasks)
-                )
-                state_rows[stage.name] = sum(row["rows"] for row in written)
-                expired_rows[stage.name] = 0
-                master[STATE_SCHEMA_PREFIX + stage.name] = schema.serialize().to_pybytes()
+                snapshot = self._kinds[stage.name].snapshot(
+                    states[stage.name], checkpoint_id, location,
+                    savepoint=properties.is_savepoint())
+                operator_states.append(snapshot.operator_state)
+                master.update(snapshot.master_states)
+                state_rows[stage.name] = snapshot.rows
+                expired_rows[stage.name] = snapshot.expired_rows
             metadata = CheckpointMetadata(
                 checkpoint_id,
                 tuple(operator_states),
@@ -1032,62 +696,14 @@ class StatefulRunner:
         one task per handle (a keyed stage: per key group range), then ``parallelism``
         partitions when given. A keyed stage's expired rows (not dropped yet) only with
         ``include_expired``."""
-        states = {}
-        for name, state in self._restore(metadata, parallelism).items():
-            if isinstance(state, KeyedStageState):
-                frame = self._keyed.frame(state, include_expired=include_expired)
-                if parallelism is not None:
-                    frame = frame.repartition(parallelism)
-                state = frame.localCheckpoint(eager=True)
-            states[name] = state
-        return states
+        return {stage.name: self._kinds[stage.name].restore_frame(
+                    metadata, parallelism, include_expired=include_expired)
+                for stage in self.stages}
 
-    def _restore(
-        self, metadata: CheckpointMetadata, parallelism: int | None = None
-    ) -> dict[str, "DataFrame | KeyedStageState"]:
+    def _restore(self, metadata: CheckpointMetadata) -> dict:
         """The stages' states from a snapshot: DataFrames read by the executors, and keyed
         stages' chains (their files are read when a task needs them)."""
-        operators = {op.operator_id: op for op in metadata.operator_states}
-        states = {}
-        for stage in self.stages:
-            if isinstance(stage, KeyedStage):
-                states[stage.name] = self._keyed.restore(stage, metadata)
-                continue
-            op = operators.get(stage.name)
-            if op is None:
-                raise InvalidCheckpointError(
-                    f"checkpoint {metadata.checkpoint_id} holds no state for stage "
-                    f"{stage.name!r} (it has {sorted(operators)})"
-                )
-            schema = to_arrow_schema(stage.state_schema, timezone="UTC")
-            stored = metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name)
-            if stored is not None:
-                stored_schema = pa.ipc.read_schema(pa.py_buffer(stored))
-                if stored_schema.names != schema.names:
-                    raise InvalidCheckpointError(
-                        f"stage {stage.name!r}: checkpoint {metadata.checkpoint_id} has columns "
-                        f"{stored_schema.names}, the stage now expects {schema.names}"
-                    )
-            rows = [
-                handle_to_row(handle, subtask, 0, -1)
-                for subtask, subtask_state in op.subtask_states.items()
-                for handle in subtask_state.handles
-            ]
-            handles = self.spark.createDataFrame(
-                self.spark.sparkContext.parallelize(
-                    [tuple(r[k] for k in HANDLE_ROW_SCHEMA.names) for r in rows],
-                    max(len(rows), 1),
-                ),
-                HANDLE_ROW_TYPE,
-            )
-            state = handles.mapInArrow(
-                partial(read_state_partition, StateReadTask(self.storage, schema)),
-                stage.state_schema,
-            )
-            if parallelism is not None:
-                state = state.repartition(parallelism)
-            states[stage.name] = state.localCheckpoint(eager=True)
-        return states
+        return {stage.name: self._kinds[stage.name].restore(metadata) for stage in self.stages}
 
     def _starting_point(
         self, partition: str, restore_from: str | None, mode: RestoreMode
@@ -1117,8 +733,7 @@ class StatefulRunner:
                 states = self._restore(checkpoint.metadata)
                 return checkpoint.external_pointer, states, position
         if self.order.previous(partition) is None:
-            fresh = {stage.name: self._keyed.empty(stage) if isinstance(stage, KeyedStage)
-                     else empty_state(self.spark, stage) for stage in self.stages}
+            fresh = {stage.name: self._kinds[stage.name].empty() for stage in self.stages}
             return None, fresh, SourcePosition(partition, 0, False, batches_digest([]))
         raise MissingStateError(self._missing_state_message(partition))
 
@@ -1153,15 +768,12 @@ class StatefulRunner:
         """Start new chains for the damaged keyed ranges from the local stores that hold their
         chains, before the first batch, so that no checkpoint of this run references a bad
         file; a range no local store holds fails the run with the way out."""
-        checkpoint_id, location = self._pending_location()
+        _, location = self._pending_location()
         unserved = []
-        for stage in self.pipeline.keyed_stages:
-            damaged = [d for d in self._damaged if d.stage == stage.name]
-            if not damaged:
-                continue
-            states[stage.name], _, missing = self._keyed.repair(
-                states[stage.name], [d.subtask for d in damaged], checkpoint_id,
-                location.location_reference)
+        for name in dict.fromkeys(d.stage for d in self._damaged):
+            damaged = [d for d in self._damaged if d.stage == name]
+            states[name], missing = self._kinds[name].repair(
+                states[name], [d.subtask for d in damaged], self._pending_location)
             unserved += [d for d in damaged if d.subtask in missing]
         if unserved:
             # Nothing of this run is committed: the snapshots of the ranges that were served
@@ -1274,7 +886,7 @@ class StatefulRunner:
     def _savepoints(self) -> list[tuple[str, CheckpointMetadata]]:
         """The pipeline's savepoints in the savepoint directory (and its scheduled/), sorted by
         pointer, with their `_metadata`; those that cannot be read are left out."""
-        directory = getattr(self.storage, "savepoint_directory", None)
+        directory = self.storage.savepoint_directory
         if directory is None:
             return []
         fs, path = url_to_fs(directory, self.storage.storage_options)
@@ -1299,61 +911,6 @@ class StatefulRunner:
     def latest_position(self) -> SourcePosition | None:
         latest = self.store.latest()
         return None if latest is None else SourcePosition.of(latest.metadata)
-
-
-def _check_state_schema(stage, state: DataFrame) -> None:
-    """Refuse a DataFrame stage's new state unless it has the declared ``state_schema``: its
-    columns by name in the declared order (the checkpoint records them in order), their exact
-    types, and no column nullable that is declared NOT NULL (nullable where declared NOT NULL
-    is stricter, and allowed). The error names the stage and lists every difference."""
-    declared, actual = stage.state_schema, state.schema
-    problems = []
-    names = [f.name for f in actual.fields]
-    extra = [n for n in names if n not in declared.names]
-    missing = [n for n in declared.names if n not in names]
-    if extra:
-        problems.append(f"column(s) {extra} not in state_schema")
-    if missing:
-        problems.append(f"column(s) {missing} missing")
-    common = [n for n in names if n in declared.names]
-    if not extra and not missing and names != declared.names:
-        problems.append(f"columns in the order {names}, declared {declared.names}")
-    for name in common:
-        have, want = actual[name], declared[name]
-        if have.dataType != want.dataType:
-            problems.append(f"column {name!r} is {have.dataType.simpleString()}, declared "
-                            f"{want.dataType.simpleString()}")
-        elif have.nullable and not want.nullable:
-            problems.append(f"column {name!r} is nullable, declared NOT NULL")
-    if problems:
-        raise ValueError(
-            f"stage {stage.name}: the new state does not match the stage's state_schema: "
-            + "; ".join(problems) + ". Return the declared columns, in order, of the declared "
-            "types (select and cast them at the end of apply), or change state_schema")
-
-
-def _rebuild_notes(stage: str, ranges) -> list[str]:
-    """A progress note when ranges had to rebuild their local store from the checkpoint (a
-    task on another executor, or stores lost), with what it cost, and one when ranges ran on
-    a private copy of their store (its lock held elsewhere past the lock timeout)."""
-    rebuilt = [r for r in ranges if r.rebuilt]
-    private = [r for r in ranges if r.private]
-    damaged = [r for r in rebuilt if r.damage]
-    for result in damaged:  # the executor logged it too, in its own log
-        logger.warning("keyed stage %s, range %d (key groups %s): %s; the local store was "
-                       "rebuilt from the checkpoint", stage, result.operator_index,
-                       result.key_groups, result.damage)
-    notes = []
-    if rebuilt:
-        notes.append(f"{stage}: rebuilt {len(rebuilt)} local store(s) from the checkpoint "
-                     f"({sum(r.rebuild_rows for r in rebuilt)} rows, "
-                     f"{max(r.rebuild_seconds for r in rebuilt):.1f} s"
-                     + (f", {len(damaged)} damaged or unreadable" if damaged else "") + ")")
-    if private:
-        notes.append(f"{stage}: {len(private)} range(s) ran on a private copy of their local "
-                     "store, locked by another process (a stalled task?; waited "
-                     f"{max(r.lock_wait_seconds for r in private):.1f} s)")
-    return notes
 
 
 def _checkpoint_line(summary: CheckpointSummary) -> str:

@@ -8,9 +8,16 @@ an ``endpoint_url``: shipped to the executors, so no secrets) and ``storage_opti
 (a JSON object mapping fsspec options to environment variables, read by the driver and by
 each executor from its own environment: how credentials reach the executors). The schema is
 the stage's recorded one (master state ``state-schema/<stage>``).
+
+The source runs on Spark's Python workers, which need this package and pyarrow:
+``register_checkpoint_source`` gives a local session that names no Python for them the
+driver's own, and checks any other (see there).
 """
 
 import json
+import os
+import shutil
+import sys
 from collections.abc import Iterator, Mapping
 
 import pyarrow as pa
@@ -103,8 +110,55 @@ class _StateReader(DataSourceReader):
 
 
 def register_checkpoint_source(spark: SparkSession) -> None:
-    """Make ``spark.read.format("checkpoint")`` available in ``spark``."""
+    """Make ``spark.read.format("checkpoint")`` available in ``spark``.
+
+    The source runs on Spark's Python workers. When the session names no Python for them
+    (``PYSPARK_PYTHON`` unset when it started: PySpark then runs ``python3`` from the PATH,
+    and ignores a ``spark.pyspark.python`` given to the builder) and runs locally, its
+    workers get this interpreter, the driver's, which has this package. Workers that run
+    another Python (set by ``PYSPARK_PYTHON``, or on a cluster) are checked with a one-task
+    job: a ``RuntimeError`` says what to set when they cannot import the source.
+    """
+    _check_workers_python(spark)
     spark.dataSource.register(CheckpointDataSource)
+
+
+def _is_this_python(command: str) -> bool:
+    # By path, not by file: a virtualenv's python is a link to the base interpreter, and
+    # only its own path gives it the virtualenv's packages.
+    found = shutil.which(command) or command
+    return os.path.abspath(found) == os.path.abspath(sys.executable)
+
+
+def _check_workers_python(spark: SparkSession) -> None:
+    context = spark.sparkContext
+    workers = context.pythonExec
+    if _is_this_python(workers):
+        return
+    if "PYSPARK_PYTHON" not in os.environ and context.master.startswith("local"):
+        # PySpark's fallback (python3 from the PATH) need not have pyarrow or this package;
+        # local workers run on this machine, where the driver's interpreter has both. Every
+        # Python function the session creates from now on carries it.
+        context.pythonExec = sys.executable
+        return
+    try:
+        context.parallelize([0], 1).map(_import_on_worker).collect()
+    except Exception as exc:  # a worker's error, as Spark wraps it
+        lines = [line.strip() for line in str(exc).splitlines() if "Error:" in line]
+        cause = lines[-1] if lines else type(exc).__name__
+        raise RuntimeError(
+            f'format "{CHECKPOINT_SOURCE}" reads state on Spark\'s Python workers, which run '
+            f"{workers!r} and cannot import it ({cause}). Set PYSPARK_PYTHON, before the "
+            "session starts, to a Python that has flink-style-checkpoints (and so pyarrow) "
+            "installed on the driver and every executor (spark-submit: --conf "
+            f"spark.pyspark.python=PATH); this driver runs {sys.executable}."
+        ) from exc
+
+
+def _import_on_worker(_) -> bool:
+    # Unpickling this function on a worker imports this module: pyarrow, pyspark's data
+    # source API and the reader, what the source needs there.
+    return True
 
 
 # Sessions of the Dagster SparkResource come with the data source.

@@ -4,7 +4,7 @@ driver; only the plain objects they hand out travel to executors.
 Exports load on first use: ``pipelines`` imports ``on_session_created`` (no Dagster) and
 executors import ``pipelines``, so this package must not import Dagster up front."""
 
-import importlib
+from checkpoint_storage.spi import lazy_names
 
 __all__ = [
     "DEFAULT_SPARK_CONF",
@@ -23,13 +23,4 @@ _MODULES = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _MODULES:
-        raise AttributeError(f"module 'resources' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_names(__name__, globals(), _MODULES)

@@ -30,8 +30,7 @@ importable from here, outside ``__all__``.
 """
 
 
-import importlib
-
+from checkpoint_storage.spi import lazy_names
 from sensors._assets import INTEGRITY_CHECK, StatefulRunConfig, build_stateful_assets, pool_for
 from sensors._definitions import pipeline_definitions
 from sensors._retained import RetainedSnapshot, retained_snapshots
@@ -110,13 +109,4 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module 'sensors' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _ELSEWHERE)

@@ -24,7 +24,12 @@ from checkpoint_storage.spi import StreamStateHandle, format_size, verify_state_
 from pipelines import CheckpointSummary, PartitionResult, StatefulPipeline, StatefulRunner
 from pipelines.runner import check_restore_from, damaged_state
 from resources import CheckpointStorageResource, SparkResource
-from sensors._retained import WITHOUT_METADATA, retained_metadata
+from sensors._retained import (
+    EVENT_KEY,
+    MATERIALIZATION_EVENT,
+    WITHOUT_METADATA,
+    retained_metadata,
+)
 from sensors.recovery import run_lease_owner
 
 __all__ = [
@@ -147,7 +152,11 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
     yield dg.AssetMaterialization(
         pipeline.name,
         partition=result.partition,
+        # The UI's event list shows no label: the description says what this is first.
+        description=f"Materialization of partition {result.partition}: checkpoint "
+        f"{checkpoint.checkpoint_id} at {checkpoint.position}",
         metadata={
+            EVENT_KEY: MATERIALIZATION_EVENT,
             "checkpoint_pointer": dg.MetadataValue.path(checkpoint.pointer),
             "checkpoint_id": checkpoint.checkpoint_id,
             "restored_from": result.restored_from or "none: started from empty state",

@@ -8,6 +8,7 @@ Storage only: no Spark, no Dagster instance.
 """
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import dagster as dg
@@ -23,14 +24,28 @@ from pipelines import SourcePosition, job_id_for
 from pipelines.runner import SCHEDULED_SAVEPOINTS
 
 __all__ = [
+    "EVENT_KEY",
+    "MATERIALIZATION_EVENT",
     "RETAINED_METADATA_KEY",
+    "RETENTION_TICK_EVENT",
+    "SAVEPOINT_EVENT",
     "RetainedSnapshot",
+    "position_label",
+    "relative_pointer",
+    "retained_directories",
+    "retained_entries",
     "retained_metadata",
     "retained_snapshots",
     "retained_table",
 ]
 
 RETAINED_METADATA_KEY = "retained"
+# The first metadata entry of each event on the state asset: which kind of event it is (the
+# UI's event list tells materializations from observations by their icon only).
+EVENT_KEY = "event"
+MATERIALIZATION_EVENT = "materialization"
+SAVEPOINT_EVENT = "savepoint"
+RETENTION_TICK_EVENT = "retention tick"
 SCHEDULED_SAVEPOINT = "scheduled savepoint"
 HAND_MADE_SAVEPOINT = "savepoint"
 # Listed directories without a `_metadata`: nothing retained (yet, or ever).
@@ -128,55 +143,100 @@ def _owned_savepoint(info: CheckpointInfo, job: str) -> bool:
     return info.pointer.rstrip("/").rsplit("/", 1)[-1].startswith(f"savepoint-{job[:6]}-")
 
 
-# The pointer early: it is what restore_from and `checkpoints read` take, and a wide table is
-# cut at the right of the UI's metadata column.
+# Narrow enough for the event panel of the asset page at 1280 px (about 490 px beside the
+# metadata keys): one position column instead of partition, batches and completeness, and the
+# pointer last and relative, so that it never wraps size, files and age out of sight. Full
+# pointers are too long to wrap (a 32-digit job id): the schema names the directories instead.
 _COLUMNS = [
     ("id", "int", "checkpoint id"),
     ("kind", "string", "checkpoint, full checkpoint, savepoint (by hand) or scheduled savepoint"),
-    ("partition", "string", "source position: the partition"),
-    ("batches", "int", "source position: batches of the partition applied"),
-    ("complete", "bool", "source position: all of the partition's batches applied"),
-    ("partition_end", "string", "'partition end': the state at the end of the partition, a "
-     "boundary to backfill the next partitions from (restore_from) or to read --as-of"),
-    ("pointer", "string", "restore_from this, or `checkpoints read` it"),
+    ("position", "string", "the source position it holds: '<partition> end' when all of the "
+     "partition's batches are applied (a boundary to backfill the next partitions from with "
+     "restore_from, or to read --as-of), '<partition> batch <n>' after n batches; else its "
+     "status (invalid, foreign, unreadable: why its _metadata cannot be used)"),
     ("size", "string", "state size"),
     ("files", "int", "state files"),
     ("age", "string", "age when this was recorded"),
-    ("written", "string", "when its _metadata was written (UTC)"),
-    ("status", "string", "completed, or why its _metadata cannot be used"),
+    ("pointer", "string", "relative to the directory that holds it"),
 ]
 
 
+def position_label(snapshot: RetainedSnapshot) -> str:
+    """``2026-10-04 end``, ``2026-10-05 batch 2``, or why there is no position."""
+    position = snapshot.position
+    if position is None:
+        return snapshot.status if snapshot.status != "completed" else "no source position"
+    if position.complete:
+        return f"{position.partition} end"
+    return f"{position.partition} batch {position.batches}"
+
+
+def relative_pointer(pointer: str, directories: Sequence[str]) -> str:
+    """``pointer`` relative to the first of ``directories`` that holds it (``chk-18``,
+    ``savepoint-2b2376-…``); the pointer itself when none does."""
+    for directory in directories:
+        prefix = directory.rstrip("/") + "/"
+        if pointer.startswith(prefix) and len(pointer) > len(prefix):
+            return pointer[len(prefix) :].rstrip("/")
+    return pointer
+
+
 def retained_table(
-    snapshots: list[RetainedSnapshot], now: dt.datetime | None = None
+    snapshots: list[RetainedSnapshot],
+    now: dt.datetime | None = None,
+    directories: Sequence[str] = (),
 ) -> dg.TableMetadataValue:
-    """The table of ``snapshots`` (one row each) as Dagster metadata."""
+    """The table of ``snapshots`` (one row each) as Dagster metadata, pointers relative to
+    the first of ``directories`` that holds them (``retained_directories``)."""
     now = now or dt.datetime.now(dt.UTC)
     records = [
         dg.TableRecord(
             {
                 "id": s.checkpoint_id,
                 "kind": s.kind,
-                "status": s.status,
-                "partition": s.position.partition if s.position else None,
-                "batches": s.position.batches if s.position else None,
-                "complete": s.position.complete if s.position else None,
-                "partition_end": "partition end" if s.partition_end else "",
+                "position": position_label(s),
                 "size": "-" if s.state_size is None else format_size(s.state_size),
                 "files": s.file_count,
-                "written": "-" if s.modified is None else s.modified.strftime("%Y-%m-%d %H:%M:%S"),
-                "age": format_age(s.age(now)),
-                "pointer": s.pointer,
+                "age": format_age(s.age(now), compact=True),
+                "pointer": relative_pointer(s.pointer, directories),
             }
         )
         for s in snapshots
     ]
+    described = dict(pointer=_COLUMNS[-1][2] + (
+        f": {', '.join(directories)} (for restore_from or `checkpoints read`, join it to its "
+        "directory: chk-<id> to the first, a savepoint to the one of its kind)"
+        if directories else ""
+    ))  # fmt: skip
     schema = dg.TableSchema(
-        columns=[dg.TableColumn(name, kind, description) for name, kind, description in _COLUMNS]
+        columns=[
+            dg.TableColumn(name, kind, described.get(name, description))
+            for name, kind, description in _COLUMNS
+        ]
     )
     return dg.MetadataValue.table(records, schema)
 
 
+def retained_directories(storage: FileSystemCheckpointStorage, pipeline_name: str) -> list[str]:
+    """The directories the ``retained`` table's pointers are relative to: the pipeline's
+    job directory, then the scheduled and the hand-made savepoints' (when there are
+    savepoints); the kind column tells which."""
+    job = job_id_for(pipeline_name).hex
+    directories = [f"{storage.checkpoint_directory.rstrip('/')}/{job}"]
+    if storage.savepoint_directory is not None:
+        savepoints = storage.savepoint_directory.rstrip("/")
+        directories += [f"{savepoints}/{SCHEDULED_SAVEPOINTS}", savepoints]
+    return directories
+
+
+def retained_entries(
+    snapshots: list[RetainedSnapshot], directories: Sequence[str]
+) -> dict[str, dg.MetadataValue]:
+    """``retained``: the table, for an asset event."""
+    return {RETAINED_METADATA_KEY: retained_table(snapshots, directories=directories)}
+
+
 def retained_metadata(storage: FileSystemCheckpointStorage, pipeline_name: str) -> dict:
-    """``{"retained": <table>}``: what the pipeline retains now, for an asset event."""
-    return {RETAINED_METADATA_KEY: retained_table(retained_snapshots(storage, pipeline_name))}
+    """``retained``: what the pipeline retains now, for an asset event."""
+    snapshots = retained_snapshots(storage, pipeline_name)
+    return retained_entries(snapshots, retained_directories(storage, pipeline_name))

@@ -79,7 +79,13 @@ from checkpoint_storage.spi import (
 from pipelines import StatefulPipeline, job_id_for
 from pipelines.runner import SCHEDULED_SAVEPOINTS, position_retention
 from resources import CheckpointStorageResource
-from sensors._retained import RETAINED_METADATA_KEY, retained_snapshots, retained_table
+from sensors._retained import (
+    EVENT_KEY,
+    RETENTION_TICK_EVENT,
+    retained_directories,
+    retained_entries,
+    retained_snapshots,
+)
 
 __all__ = [
     "RetentionPolicy",
@@ -421,20 +427,23 @@ def build_retention_sensor(
                 ),
                 cursor=cursor,
             )
+        # The UI's event list shows no label, only the event's icon: the description says what
+        # the event is first.
         if report.deleted_anything:
-            description = "retention deleted storage"
+            description = "Retention tick: deleted storage"
         elif report.garbage.skipped:
-            description = "retention kept checkpoints it cannot read"
+            description = "Retention tick: kept checkpoints it cannot read"
         else:
-            description = "retained checkpoints and savepoints changed"
+            description = "Retention tick: retained checkpoints and savepoints changed"
         return dg.SensorResult(
             cursor=cursor,
             asset_events=[
                 dg.AssetObservation(
                     name,
                     description=description,
-                    metadata=report.metadata()
-                    | {RETAINED_METADATA_KEY: retained_table(snapshots)},
+                    metadata={EVENT_KEY: RETENTION_TICK_EVENT}
+                    | report.metadata()
+                    | retained_entries(snapshots, retained_directories(storage, name)),
                 )
             ],
         )

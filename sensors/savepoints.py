@@ -41,7 +41,7 @@ from pipelines import StatefulPipeline, job_id_for
 from pipelines.runner import SCHEDULED_SAVEPOINTS
 from resources import CheckpointStorageResource, SparkResource
 from sensors._assets import expired_rows_metadata, pool_for, runner_for
-from sensors._retained import retained_metadata
+from sensors._retained import EVENT_KEY, SAVEPOINT_EVENT, retained_metadata
 
 __all__ = [
     "DEFAULT_SAVEPOINT_CRON",
@@ -133,8 +133,10 @@ def build_savepoint_job(pipeline: StatefulPipeline) -> dg.JobDefinition:
         context.log_event(
             dg.AssetObservation(
                 name,
-                description=f"{kind} savepoint of {source}",
+                # The UI's event list shows no label: the description says what this is first.
+                description=f"Savepoint ({kind}) of {source}, at {summary.position}",
                 metadata={
+                    EVENT_KEY: SAVEPOINT_EVENT,
                     "savepoint_pointer": dg.MetadataValue.path(summary.pointer),
                     "savepoint_kind": kind,
                     "taken_from": dg.MetadataValue.path(source),

@@ -2,6 +2,7 @@
 
 import random
 import uuid
+from dataclasses import dataclass
 
 import fsspec
 
@@ -15,6 +16,18 @@ from checkpoint_storage import (
 
 EXCLUSIVE = CheckpointedStateScope.EXCLUSIVE
 SHARED = CheckpointedStateScope.SHARED
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A real filesystem to run a test against: ``url(name)`` gives a fresh directory URL."""
+
+    name: str
+    base_url: str
+    storage_options: dict
+
+    def url(self, *parts: str) -> str:
+        return "/".join((self.base_url, *parts))
 
 
 def payload(n: int, seed: int) -> bytes:
@@ -107,3 +120,41 @@ def make_flink_job_directory(fs, job_url: str, ids=(3, 5, 6), shared_files: int 
         put(f"{job_url}/shared/{uuid.uuid4()}", payload(1000 + index, index))
     fs.invalidate_cache()
     return set(written)
+
+
+def run_on_terminal(argv: list[str], *, env: dict, cwd, stream: str = "stdout",
+                    columns: int | None = None) -> tuple[int, str, str]:
+    """``argv`` run with ``stream`` ("stdout" or "stderr") on a pseudo-terminal (``columns``
+    wide when given) and the other through a pipe: (exit code, what the terminal showed, the
+    pipe's text)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import termios
+
+    primary, secondary = pty.openpty()
+    if columns is not None:
+        fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: secondary}
+    try:
+        process = subprocess.Popen(argv, env=env, cwd=cwd, **streams)
+        os.close(secondary)
+        secondary = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        os.close(primary)
+        if secondary >= 0:
+            os.close(secondary)
+    piped = stderr if stream == "stdout" else stdout
+    return process.returncode, b"".join(chunks).decode(), piped.decode()

@@ -11,7 +11,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import pty
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -38,7 +37,14 @@ from checkpoint_storage import (
 )
 from checkpoint_storage._access import resolve_checkpoint_pointer
 from checkpoint_storage.exceptions import UnsafePathError
-from tests.support import finalize, make_flink_job_directory, payload, read, write_state
+from tests.support import (
+    finalize,
+    make_flink_job_directory,
+    payload,
+    read,
+    run_on_terminal,
+    write_state,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXECUTABLE = Path(sys.executable).parent / "checkpoints"
@@ -354,28 +360,7 @@ def on_terminal(*args, stream: str) -> tuple[int, str, str]:
     """The installed script run with ``stream`` ("stdout" or "stderr") on a pseudo-terminal
     and the other through a pipe: (exit code, what the terminal showed, the pipe's text)."""
     env = {k: v for k, v in environment({"TERM": "xterm-256color"}).items() if k != "NO_COLOR"}
-    primary, secondary = pty.openpty()
-    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, stream: secondary}
-    try:
-        process = subprocess.Popen([*command(), *map(str, args)], env=env, cwd=ROOT, **streams)
-        os.close(secondary)
-        secondary = -1
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(primary, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        os.close(primary)
-        if secondary >= 0:
-            os.close(secondary)
-    piped = stderr if stream == "stdout" else stdout
-    return process.returncode, b"".join(chunks).decode(), piped.decode()
+    return run_on_terminal([*command(), *map(str, args)], env=env, cwd=ROOT, stream=stream)
 
 
 def test_progress_bar_only_on_a_terminal(layout):

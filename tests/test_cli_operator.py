@@ -10,17 +10,13 @@ test, which runs a fresh interpreter.
 """
 
 import ast
-import fcntl
 import importlib.metadata
 import json
 import os
-import pty
 import re
 import shutil
-import struct
 import subprocess
 import sys
-import termios
 import textwrap
 from pathlib import Path
 
@@ -40,7 +36,7 @@ from checkpoint_storage import (
     list_checkpoints_below,
     metadata_as_json,
 )
-from tests.support import SHARED, finalize, payload, write_state
+from tests.support import SHARED, finalize, payload, run_on_terminal, write_state
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB_A = JobID("a" * 32)
@@ -314,31 +310,12 @@ def on_terminal(columns: int, *args) -> str:
     terminal received, escape sequences removed."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "NO_COLOR")}
     env.update(TERM="xterm-256color", PYTHONPATH=str(ROOT))
-    primary, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint_storage.cli", *map(str, args)],
-            stdout=secondary, stderr=subprocess.PIPE, env=env, cwd=ROOT,
-        )
-        os.close(secondary)
-        secondary = -1
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(primary, 4096)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        os.close(primary)
-        if secondary >= 0:
-            os.close(secondary)
-    assert 0 == process.returncode, stderr
-    return ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+    code, shown, stderr = run_on_terminal(
+        [sys.executable, "-m", "checkpoint_storage.cli", *map(str, args)], env=env, cwd=ROOT,
+        columns=columns,
+    )
+    assert 0 == code, stderr
+    return ANSI.sub("", shown).replace("\r\n", "\n")
 
 
 @pytest.mark.parametrize("columns", [80, 100])

@@ -19,6 +19,9 @@ def readme_pipeline() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.spark  # the example runs Spark and Dagster in a subprocess
+@pytest.mark.dagster
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_pipeline_runs_as_pasted(tmp_path):
     """Saved as my_pipeline.py and run, the README's example lands two days, runs them
@@ -37,6 +40,7 @@ def test_readme_pipeline_runs_as_pasted(tmp_path):
     assert (tmp_path / "data" / "checkpoints").is_dir()
 
 
+@pytest.mark.slow  # pdoc imports and renders the four packages
 @pytest.mark.timeout(300)
 def test_api_reference_documents_the_public_names(tmp_path):
     """scripts/api-docs writes one page per package, with the public names documented."""

@@ -94,6 +94,56 @@ def test_orchestration_layers_use_only_public_apis():
     assert [] == offending
 
 
+def test_benchmarks_use_only_public_apis_and_import_no_tests():
+    """benchmarks/ import no private module of the project's packages or of dagster, and
+    nothing from tests/: a benchmark does what a user's code can."""
+    offending = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        for line, module in _imports(path):
+            packages = ("checkpoint_storage", "dagster", *LAYERS)
+            if module.split(".")[0] == "tests" or any(_private(module, p) for p in packages):
+                offending.append(f"{path.relative_to(ROOT)}:{line}: {module}")
+
+    assert [] == offending
+
+
+def _imports_a_test_module(module: str) -> bool:
+    last = module.split(".")[-1]
+    return last.startswith("test_") or last == "conftest"
+
+
+def test_tests_import_no_test_module_or_conftest():
+    """No file below tests/ or benchmarks/ imports a test module or a conftest: what tests
+    share lives in a support module (tests/support.py, tests/<suite>/support.py) or a named
+    helper (a driver, a scenario harness), so that a test file is free to change."""
+    offending = [
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for folder in ("tests", "benchmarks")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for line, module in _imports(path)
+        if _imports_a_test_module(module)
+    ]
+
+    assert [] == offending
+
+
+def test_the_import_check_sees_test_module_imports(tmp_path):
+    """The check above flags `from tests.x.test_y import z`, `import test_y` (a module found
+    on sys.path) and a conftest, and leaves support modules and `from pytest import ...`."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from tests.pipelines.test_keyed_runner import SOURCE\n"
+        "import test_keyed_faults\n"
+        "from tests.sensors.conftest import write_snapshot\n"
+        "from tests.pipelines.support import SOURCE\n"
+        "from pytest import fixture\n"
+    )
+    flagged = sorted({m for _, m in _imports(sample) if _imports_a_test_module(m)})
+
+    assert ["test_keyed_faults", "tests.pipelines.test_keyed_runner",
+            "tests.sensors.conftest"] == flagged
+
+
 def test_the_import_check_sees_private_imports(tmp_path):
     """The check above flags `from checkpoint_storage._x import y` and `dagster._core`."""
     sample = tmp_path / "sample.py"

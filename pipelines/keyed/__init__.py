@@ -15,8 +15,7 @@ The runner's machinery (``KeyedStageDriver``, ``apply_keyed_batch``,
 stage types ``pipelines`` exports stay importable from here, outside ``__all__``.
 """
 
-import importlib
-
+from checkpoint_storage.spi import lazy_names
 from pipelines.keyed._aggregates import Aggregate, Aggregates, agg
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
@@ -38,7 +37,7 @@ from pipelines.keyed._key_groups import (
     compute_operator_index_for_key_group,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
-from pipelines.keyed._spark import local_store_directory, sweep_idle_stores
+from pipelines.keyed._local_stores import local_store_directory, sweep_idle_stores
 from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
 
 __all__ = [
@@ -85,20 +84,20 @@ _ELSEWHERE = {
     "KEY_HASH": "pipelines.keyed._key_groups",
     "hash_keys": "pipelines.keyed._key_groups",
     "last_per_key": "pipelines.keyed._key_groups",
-    "DEFAULT_LOCAL_STORE_MAX_AGE": "pipelines.keyed._spark",
-    "OPERATOR_INDEX": "pipelines.keyed._spark",
-    "ChainRef": "pipelines.keyed._spark",
-    "KeyedBatch": "pipelines.keyed._spark",
-    "KeyedRangeResult": "pipelines.keyed._spark",
-    "KeyedStageTask": "pipelines.keyed._spark",
-    "MaterialisationPolicy": "pipelines.keyed._spark",
-    "apply_keyed_batch": "pipelines.keyed._spark",
-    "chain_version": "pipelines.keyed._spark",
-    "extend_chains": "pipelines.keyed._spark",
-    "materialise_keyed_state": "pipelines.keyed._spark",
-    "ranges_to_materialise": "pipelines.keyed._spark",
-    "read_keyed_state": "pipelines.keyed._spark",
-    "rematerialise_from_local_stores": "pipelines.keyed._spark",
+    "DEFAULT_LOCAL_STORE_MAX_AGE": "pipelines.keyed._local_stores",
+    "OPERATOR_INDEX": "pipelines.keyed._routing",
+    "ChainRef": "pipelines.keyed._task",
+    "KeyedBatch": "pipelines.keyed._batch",
+    "KeyedRangeResult": "pipelines.keyed._task",
+    "KeyedStageTask": "pipelines.keyed._task",
+    "MaterialisationPolicy": "pipelines.keyed._batch",
+    "apply_keyed_batch": "pipelines.keyed._batch",
+    "chain_version": "pipelines.keyed._task",
+    "extend_chains": "pipelines.keyed._batch",
+    "materialise_keyed_state": "pipelines.keyed._batch",
+    "ranges_to_materialise": "pipelines.keyed._batch",
+    "read_keyed_state": "pipelines.keyed._batch",
+    "rematerialise_from_local_stores": "pipelines.keyed._batch",
     "KeyedResult": "pipelines.keyed._stage",
     "KeyedStage": "pipelines.keyed._stage",
     "StateTtl": "pipelines.keyed._stage",
@@ -109,13 +108,4 @@ _ELSEWHERE = {
 }
 
 
-def __getattr__(name: str):
-    if name not in _ELSEWHERE:
-        raise AttributeError(f"module 'pipelines.keyed' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_ELSEWHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_ELSEWHERE})
+__getattr__, __dir__ = lazy_names(__name__, globals(), _ELSEWHERE)

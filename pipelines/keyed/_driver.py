@@ -23,6 +23,16 @@ from checkpoint_storage.spi import (
     CheckpointStorageLocationReference,
     OperatorState,
 )
+from pipelines.keyed._batch import (
+    KeyedBatch,
+    MaterialisationPolicy,
+    apply_keyed_batch,
+    extend_chains,
+    materialise_keyed_state,
+    ranges_to_materialise,
+    read_keyed_state,
+    rematerialise_from_local_stores,
+)
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
@@ -35,22 +45,9 @@ from pipelines.keyed._chain import (
 )
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
-from pipelines.keyed._spark import (
-    _EPOCH,
-    DEFAULT_LOCAL_STORE_MAX_AGE,
-    KeyedBatch,
-    KeyedRangeResult,
-    KeyedStageTask,
-    MaterialisationPolicy,
-    _newer,
-    apply_keyed_batch,
-    extend_chains,
-    materialise_keyed_state,
-    ranges_to_materialise,
-    read_keyed_state,
-    rematerialise_from_local_stores,
-)
+from pipelines.keyed._local_stores import DEFAULT_LOCAL_STORE_MAX_AGE
 from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
+from pipelines.keyed._task import _EPOCH, KeyedRangeResult, KeyedStageTask, _newer
 
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
 

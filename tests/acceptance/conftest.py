@@ -9,29 +9,12 @@ runs alone.
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.acceptance.dagster_process import DagsterDev, start_dagster_dev, stop_process_group
-
-# The small input of the click_events generator for every run here.
-SMALL_LANDING = {"batches_per_day": 3, "events_per_batch": 200, "users": 20, "seed": 7}
-# The small input of each page_views hour (``pipelines.examples.page_views.land_hour``).
-SMALL_HOUR = {"batches": 2, "views_per_batch": 100, "users": 10, "pages": 5, "seed": 7}
-
-
-@dataclass(frozen=True)
-class PipelineEnv:
-    bucket: str
-    checkpoint_dir: str
-    savepoint_dir: str
-    storage_options: dict
-    landing_dir: str
-    report_dir: str
-    page_views_dir: str
-    artifacts: Path
+from tests.acceptance.support import PipelineEnv
 
 
 @pytest.fixture(scope="session")
@@ -74,16 +57,6 @@ def dagster_dev(pipeline_env: PipelineEnv):
         yield dev
     finally:
         stop_process_group(dev.proc)
-
-
-def user_activity_config(restore_from: str | None = None) -> dict:
-    config = {} if restore_from is None else {"restore_from": restore_from}
-    return {
-        "ops": {
-            "click_events": {"config": SMALL_LANDING},
-            "user_activity": {"config": config},
-        }
-    }
 
 
 @pytest.fixture(scope="session")

@@ -263,11 +263,15 @@ def metadata_from_run(event: dict, run_id: str) -> bool:
 
 
 def start_dagster_dev(
-    home: Path, env: dict[str, str], log_path: Path, dagster_yaml: str | None = DAGSTER_YAML
+    home: Path,
+    env: dict[str, str],
+    log_path: Path,
+    dagster_yaml: str | None = DAGSTER_YAML,
+    workspace: Path | str = "workspace.yaml",
 ) -> DagsterDev:
-    """``dagster dev -w workspace.yaml`` on 127.0.0.1 in its own session, with ``home`` as
-    DAGSTER_HOME (``dagster_yaml``, default: telemetry off; None: keep the one in ``home``);
-    returns once the code location is loaded."""
+    """``dagster dev -w <workspace>`` (default: the project's) on 127.0.0.1 in its own session,
+    with ``home`` as DAGSTER_HOME (``dagster_yaml``, default: telemetry off; None: keep the one
+    in ``home``); returns once the code location (named ``LOCATION``) is loaded."""
     home.mkdir(parents=True, exist_ok=True)
     if dagster_yaml is not None:
         (home / "dagster.yaml").write_text(dagster_yaml)
@@ -276,7 +280,7 @@ def start_dagster_dev(
     dagster = Path(sys.executable).with_name("dagster")
     log = open(log_path, "wb")  # noqa: SIM115  (kept open for the process's lifetime)
     proc = subprocess.Popen(
-        [str(dagster), "dev", "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"],
+        [str(dagster), "dev", "-h", "127.0.0.1", "-p", str(port), "-w", str(workspace)],
         cwd=ROOT,
         env=full_env,
         stdin=subprocess.DEVNULL,

@@ -22,7 +22,6 @@ events, daily) and ``page_views`` (hourly).
 
 import datetime as dt
 
-import pandas as pd
 import pytest
 from pandas.testing import assert_frame_equal
 
@@ -31,13 +30,20 @@ from pipelines import job_id_for
 from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline
 from pipelines.examples.page_views import land_hour
 from sensors import FAULT_TAG
-from tests.acceptance.conftest import SMALL_HOUR, PipelineEnv, user_activity_config
 from tests.acceptance.dagster_process import (
     BACKFILL,
     LAUNCH_BACKFILL,
     DagsterDev,
     metadata,
     wait_for,
+)
+from tests.acceptance.support import (
+    SMALL_HOUR,
+    PipelineEnv,
+    read_report,
+    state_frames,
+    tags_of,
+    user_activity_config,
 )
 
 RECOVERY_SENSOR = "user_activity_recovery_sensor"
@@ -49,10 +55,6 @@ DAY2, DAY3 = (
 HOUR1, HOUR2 = "2026-10-01-00:00", "2026-10-01-01:00"  # page_views' first two hours
 RUN_TIMEOUT = 240
 SHARED_RUN_TIMEOUT = 2 * RUN_TIMEOUT  # the recovery and the page views run side by side
-
-
-def tags_of(run: dict) -> dict[str, str]:
-    return {t["key"]: t["value"] for t in run["tags"]}
 
 
 def materialization(
@@ -80,23 +82,6 @@ def job_directory_files(env: PipelineEnv, pipeline: str) -> dict[str, tuple]:
 
 def checkpoint_id(pointer: str) -> int:
     return int(pointer.rstrip("/").rsplit("chk-", 1)[1])
-
-
-def read_report(report_dir: str, partition: str) -> pd.DataFrame:
-    frame = pd.read_parquet(f"{report_dir}/report_date={partition}")
-    return frame.sort_values(list(frame.columns)).reset_index(drop=True)
-
-
-def state_frames(runner) -> dict[str, pd.DataFrame]:
-    latest = runner.access.latest_completed_checkpoint()
-    assert latest is not None
-    states = runner.restore_states(latest.load_metadata())
-    frames = {}
-    for name, state in states.items():
-        frame = state.toPandas()
-        frames[name] = frame.sort_values(list(frame.columns)).reset_index(drop=True)
-        state.unpersist()
-    return frames
 
 
 @pytest.mark.timeout(1800)  # generous: the machine running it may be shared

@@ -33,7 +33,6 @@ from pandas.testing import assert_frame_equal
 from pipelines.examples.click_events import FIRST_PARTITION, click_events_pipeline
 from pipelines.instance import DAGSTER_YAML
 from sensors import FAULT_TAG
-from tests.acceptance.conftest import user_activity_config
 from tests.acceptance.dagster_process import (
     ROOT,
     DagsterDev,
@@ -41,7 +40,7 @@ from tests.acceptance.dagster_process import (
     stop_process_group,
     wait_for,
 )
-from tests.acceptance.test_e2e_dagster import read_report, state_frames, tags_of
+from tests.acceptance.support import read_report, state_frames, tags_of, user_activity_config
 
 HANG_TAG = "test/hang_after_batch"
 SENSOR = "user_activity_recovery_sensor"

@@ -52,7 +52,7 @@ def _abort_many(backend, access, ids) -> None:
 
 @pytest.fixture(scope="module")
 def _s3_job_written(s3_server):
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     backend = Backend("s3", f"s3://{s3_server.new_bucket()}/base", s3_server.storage_options)
     access = _job(backend)

@@ -562,7 +562,7 @@ def test_savepoints_never_merge(tmp_path):
 
 @pytest.fixture(params=["local", "s3"])
 def disk_or_s3(request, tmp_path):
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     if request.param == "local":
         return Backend("local", str(tmp_path), {})

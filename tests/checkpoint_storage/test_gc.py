@@ -519,7 +519,7 @@ def test_files_without_a_modification_time_are_kept(monkeypatch):
 
 def test_bulk_deletes_that_fail_per_key_on_s3_are_raised(s3_server, monkeypatch):
     """A DeleteObjects response listing per-key errors (HTTP 200) is raised, not ignored."""
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     backend = Backend("s3", f"s3://{s3_server.new_bucket()}/base", s3_server.storage_options)
     s = build_scenario(backend)
@@ -702,12 +702,12 @@ def test_property_only_files_of_valid_checkpoints_and_taskowned_survive(
 
 
 def _memory_backend():
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     return Backend("memory", f"memory://gc-{uuid.uuid4().hex}", {})
 
 
 def _local_backend(tmp_path):
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     return Backend("local", str(tmp_path / "base"), {})

@@ -136,6 +136,7 @@ def test_a_stale_holder_that_thinks_it_is_valid_is_fenced_by_the_newer_epoch(bac
     lease_b.release()
 
 
+@pytest.mark.slow  # waits out ttls: ~11 s per backend
 def test_the_renewal_thread_keeps_the_lease_beyond_its_ttl(backend):
     """With auto_renew the lease stays valid and held for several ttls; a commit works."""
     a, b = _coordinators(backend)

@@ -436,6 +436,7 @@ def run_model(base_url: str, storage_options: dict, **overrides) -> None:
     )
 
 
+@pytest.mark.slow
 def test_lifecycle_model_on_local_disk(tmp_path):
     """The lifecycle model holds on local disk."""
     run_model(str(tmp_path), {}, max_examples=LOCAL_EXAMPLES)

@@ -350,3 +350,31 @@ def test_task_owned_toolset_duplicates_inline_handles():
     copies = list(access.create_task_owned_checkpoint_state_toolset().duplicate(handles))
 
     assert data == [read(c) for c in copies]
+
+
+def test_storages_declare_their_capabilities_with_the_base_class_defaults(tmp_path):
+    """The runner reads a storage's capabilities instead of probing for them: a storage that
+    declares none (only the two abstract methods) has the base class's defaults."""
+    from checkpoint_storage import CheckpointStorage
+
+    class Minimal(CheckpointStorage):
+        def create_checkpoint_storage(self, job_id):
+            raise NotImplementedError
+
+        def resolve_checkpoint(self, pointer):
+            raise NotImplementedError
+
+    def capabilities(storage):
+        return (storage.storage_options, storage.savepoint_directory,
+                storage.file_merging_enabled, storage.resumes_physical_files)
+
+    memory = MemoryCheckpointStorage(storage_options={"skip_instance_cache": True})
+    merging = FileSystemCheckpointStorage(
+        str(tmp_path / "chk"), str(tmp_path / "sp"), file_merging_enabled=True,
+        file_merging_across_checkpoint_boundary=True)
+    assert [capabilities(s) for s in (Minimal(), memory, merging)] == [
+        ({}, None, False, False),
+        ({"skip_instance_cache": True}, None, False, False),
+        ({}, merging.savepoint_directory, True, True),
+    ]
+    assert merging.savepoint_directory.endswith("sp")

@@ -191,7 +191,7 @@ def test_the_newest_entry_is_never_subsumed(backend):
 def test_shutdown_applies_the_retention_policy(tmp_path, policy, status, kept):
     """On shutdown a retained checkpoint survives exactly when the policy keeps it for the
     job status; a suspended job keeps everything."""
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     job = Job(Backend("local", str(tmp_path), {}))
     store = job.store(retention_policy=policy)
@@ -237,7 +237,7 @@ class FailingDeletes(MemoryFileSystem):
 def test_discard_removes_metadata_first_and_tries_every_step():
     """When deleting state fails, _metadata is already gone (the checkpoint is no longer
     addressable), the directory step still ran, and the first error is raised."""
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     job = Job(Backend("memory", f"memory://discard-{random.getrandbits(32)}", {}))
     location, metadata = job.checkpoint(1, shared=0)

@@ -403,7 +403,7 @@ def test_checkpoint_directory_names_map_to_63_bit_ids(checkpoint_id):
 
 
 def _local(tmp_path):
-    from tests.conftest import Backend
+    from tests.support import Backend
 
     return Backend("local", str(tmp_path), {})
 

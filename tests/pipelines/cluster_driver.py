@@ -117,7 +117,7 @@ def _recompute(spark, landing: str) -> dict:
     for url in batch_urls(landing, PARTITION):
         data = spark.read.schema(EVENT_SCHEMA).parquet(url)
         for stage in STAGES:
-            states[stage.name], data = stage.apply(states[stage.name], data)
+            states[stage.name], data = stage.apply(data, states[stage.name])
     return {name: _canonical(df.collect()) for name, df in states.items()}
 
 

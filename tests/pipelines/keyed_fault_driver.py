@@ -55,7 +55,12 @@ from pipelines import (  # noqa: E402
     StatefulPipeline,
     StatefulRunner,
 )
-from tests.pipelines import test_keyed_runner as totals  # noqa: E402
+from tests.pipelines.support import (  # noqa: E402
+    PARTITIONS,
+    TOTALS,
+    GeneratedOrders,
+    customer_totals,
+)
 
 PGID_ENV = "KEYED_FAULT_PGID"
 WRITE_ENV = "KEYED_FAULT_WRITE"
@@ -67,7 +72,7 @@ STRAGGLER_SLEEP = 30.0
 
 
 @dataclass(frozen=True)
-class Orders(totals.GeneratedOrders):
+class Orders(GeneratedOrders):
     """test_keyed_runner's orders, ``per_partition`` batches per partition."""
 
     per_partition: int = 4
@@ -83,9 +88,9 @@ def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None
     interval; every 4 with ``merging``), a state sink and an output sink."""
     return StatefulPipeline(
         name="keyed_totals",
-        stages=[KeyedStage("totals", "customer", totals.TOTALS, totals.customer_totals)],
+        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
         source=Orders(per_partition=batches),
-        partitions=totals.PARTITIONS,
+        partitions=PARTITIONS,
         sinks=[
             ParquetSink(name="totals_state", stage="totals", of="state",
                         url=str(work / "sink" / "state")),

@@ -1,21 +1,37 @@
 """Helpers shared by the pipeline, sensor and acceptance tests."""
 
 import datetime as dt
+import random
 import sys
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import cloudpickle
+from pyspark.sql import types as T
 from typer.testing import CliRunner
 
+from checkpoint_storage import FileSystemCheckpointStorage
 from checkpoint_storage.cli import build_app
-from pipelines import KeyedResult, StatefulPipeline, empty_state
+from pipelines import (
+    KeyedResult,
+    KeyedStage,
+    MaterialisationPolicy,
+    ParquetSink,
+    Source,
+    StatefulPipeline,
+    StatefulRunner,
+    empty_state,
+)
 from pipelines.cli import register
 from pipelines.examples.click_events import STAGES, click_events_pipeline
 from pipelines.examples.click_events.events import batch_urls
 from pipelines.examples.click_events.stages import EVENT_SCHEMA
+from pipelines.keyed import KeyedStateLayout, KeyGroupRange
 from resources import CheckpointStorageResource, SparkResource
 from sensors import build_stateful_assets, pipeline_definitions
 
@@ -34,6 +50,15 @@ class NoSpark:
 
     def __getattr__(self, name):
         raise AssertionError(f"Spark was used: spark.{name}")
+
+
+def run_cli(*args: str):
+    """``checkpoints ARGS`` in-process: the built-in commands, without plugins; an exception
+    other than the exit is raised."""
+    result = CliRunner().invoke(build_app(plugins=False), list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result
 
 
 def run_read_cli(*args: str):
@@ -63,7 +88,7 @@ def apply_batch_by_batch(spark, landing: str, days) -> tuple[dict, list[tuple]]:
         for url in batch_urls(landing, day):
             data = spark.read.schema(EVENT_SCHEMA).parquet(url)
             for stage in STAGES:
-                new_state, data = stage.apply(states[stage.name], data)
+                new_state, data = stage.apply(data, states[stage.name])
                 states[stage.name] = new_state.localCheckpoint(eager=True)
                 data = data.localCheckpoint(eager=True)
         date = dt.date.fromisoformat(day)
@@ -151,6 +176,118 @@ def customer_totals(input: pa.Table, state: pa.Table) -> KeyedResult:
         "total": pc.add(joined.column("amount_sum"), pc.fill_null(joined.column("total"), 0)),
     })
     return KeyedResult(upserts, pa.table({"customer": pa.array([], pa.string())}), upserts)
+
+
+# The keyed per-customer totals pipeline of the keyed runner tests, also run by the keyed
+# fault driver, the stall scenarios and benchmarks/keyed_retention.py.
+PARTITIONS = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
+BATCHES = 4
+ORDER_SCHEMA = T.StructType([
+    T.StructField("customer", T.StringType()),
+    T.StructField("amount", T.LongType()),
+])
+
+
+@dataclass(frozen=True)
+class GeneratedOrders(Source):
+    """Orders made up from the batch id: the same batch always has the same rows."""
+
+    customers: int = 40
+    rows_per_batch: int = 60
+
+    def batches(self, spark, partition):
+        return [f"{partition}-{i:03d}" for i in range(BATCHES)]
+
+    def read(self, spark, partition, batch):
+        return spark.createDataFrame(self.rows(batch), ORDER_SCHEMA)
+
+    def rows(self, batch: str) -> list[tuple[str, int]]:
+        rng = random.Random(batch)
+        return [(f"c{rng.randrange(self.customers)}", rng.randrange(1, 100))
+                for _ in range(self.rows_per_batch)]
+
+
+SOURCE = GeneratedOrders()
+
+
+def totals_pipeline(tmp_path: Path, **options) -> StatefulPipeline:
+    options = {"checkpoint_interval": 2, "max_parallelism": 16,
+               "materialisation": MaterialisationPolicy(every=3, min_bytes=0)} | options
+    return StatefulPipeline(
+        name="keyed_totals",
+        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
+        source=SOURCE,
+        partitions=PARTITIONS,
+        sinks=[ParquetSink(name="totals_state", stage="totals", of="state",
+                             url=str(tmp_path / "sink"))],
+        **options,
+    )
+
+
+def expected(partitions: list[str], batches: int = BATCHES) -> dict[str, tuple[int, int]]:
+    """Per customer (orders, total) after ``batches`` batches of each partition."""
+    orders, total = Counter(), Counter()
+    for partition in partitions:
+        for batch in SOURCE.batches(None, partition)[:batches]:
+            for customer, amount in SOURCE.rows(batch):
+                orders[customer] += 1
+                total[customer] += amount
+    return {c: (orders[c], total[c]) for c in orders}
+
+
+def storage_of(tmp_path: Path, **options) -> FileSystemCheckpointStorage:
+    return FileSystemCheckpointStorage(
+        str(tmp_path / "checkpoints"), savepoint_dir=str(tmp_path / "savepoints"),
+        **({"file_state_size_threshold": 0} | options))
+
+
+def state_of(runner: StatefulRunner, metadata=None) -> dict[str, tuple[int, int]]:
+    metadata = metadata or runner.store.latest().metadata
+    frame = runner.restore_states(metadata)["totals"]
+    rows = frame.collect()
+    assert len(rows) == len({r["customer"] for r in rows}), "a key is in the state twice"
+    return {r["customer"]: (r["orders"], r["total"]) for r in rows}
+
+
+def shared_files(tmp_path: Path, runner: StatefulRunner) -> set[str]:
+    shared = tmp_path / "checkpoints" / str(runner.job_id) / "shared"
+    return {str(p) for p in shared.rglob("*") if p.is_file()}
+
+
+def referenced_files(runner: StatefulRunner) -> set[str]:
+    return {h.path for c in runner.store.all() for h in c.metadata.all_handles()
+            if hasattr(h, "path")}
+
+
+# Keyed state of users' clicks, for the keyed state store tests.
+SCHEMA = pa.schema([("user", pa.string()), ("clicks", pa.int64()),
+                    ("seen", pa.timestamp("us", "UTC"))])
+MAX_PARALLELISM = 8
+LAYOUT = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM)
+ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
+T0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
+NO_KEYS = pa.table({"user": pa.array([], pa.string())})
+
+
+def clicks_table(model: dict[str, int]) -> pa.Table:
+    keys = sorted(model)
+    return pa.table({"user": keys, "clicks": [model[k] for k in keys],
+                     "seen": [T0 + dt.timedelta(seconds=model[k]) for k in keys]}, schema=SCHEMA)
+
+
+def as_model(table: pa.Table) -> dict[str, int]:
+    users, clicks = table.column("user").to_pylist(), table.column("clicks").to_pylist()
+    assert len(set(users)) == len(users), "a key is in the state twice"
+    return dict(zip(users, clicks, strict=True))
+
+
+def store_state(store) -> dict[str, int]:
+    table = pa.Table.from_batches(list(store.sorted_batches()), store.layout.stored_schema
+                                  .append(pa.field("_key_group", pa.int16())))
+    groups = table.column("_key_group").to_numpy()
+    assert (store.layout.key_groups_of(table) == groups).all(), "rows under other key groups"
+    assert (np.diff(groups) >= 0).all(), "rows out of key group order"
+    return as_model(table)
 
 
 # by value: Spark's Python workers need not import the tests package

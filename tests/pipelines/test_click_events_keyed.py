@@ -184,10 +184,10 @@ def dataframe_run(spark, tmp_path_factory):
         # Read once: the stages then run on local rows, not on a re-read per action.
         read = source.read(spark, day, f"batch-{index:05d}.parquet")
         events = spark.createDataFrame(read.toArrow(), schema=read.schema)
-        new_dedupe_state, fresh = dedupe(dedupe_state, events)
+        new_dedupe_state, fresh = dedupe(events, dedupe_state)
         fresh_rows = fresh.toArrow()
         new_activity_state, totals = user_activity(
-            activity_state, spark.createDataFrame(fresh_rows, schema=EVENT_SCHEMA))
+            spark.createDataFrame(fresh_rows, schema=EVENT_SCHEMA), activity_state)
         step = {
             "input": events.toArrow(),
             "dedupe_output": fresh_rows,

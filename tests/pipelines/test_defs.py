@@ -124,20 +124,20 @@ def test_materialization_shows_what_is_retained(materialized):
     records = instance.fetch_materializations(dg.AssetKey(NAME), limit=10).records
     by_day = {r.asset_materialization.partition: r.asset_materialization for r in records}
     second = by_day["2026-10-02"]
-    rows = [
-        (r.data["kind"], r.data["partition"], r.data["batches"], r.data["complete"])
-        for r in second.metadata["retained"].value.records
-    ]
+    rows = [(r.data["kind"], r.data["position"]) for r in second.metadata["retained"].value.records]
     # checkpoint_interval 2, 3 batches a day, max 3 retained: 10-01 end, 10-02 at 2, 10-02 end.
     expected = [
-        ("checkpoint", "2026-10-01", 3, True),
-        ("checkpoint", "2026-10-02", 2, False),
-        ("checkpoint", "2026-10-02", 3, True),
+        ("checkpoint", "2026-10-01 end"),
+        ("checkpoint", "2026-10-02 batch 2"),
+        ("checkpoint", "2026-10-02 end"),
     ]
     assert expected == rows
     last = second.metadata["retained"].value.records[-1].data
-    assert second.metadata["checkpoint_pointer"].value == last["pointer"]
+    assert f"chk-{last['id']}" == last["pointer"]
+    assert second.metadata["checkpoint_pointer"].value.endswith(f"/{last['pointer']}")
     assert second.metadata["checkpoint_id"].value == last["id"]
+    assert "materialization" == second.metadata["event"].value
+    assert second.description.startswith("Materialization of partition 2026-10-02: ")
 
 
 def test_daily_report_materialized_per_partition(materialized):

@@ -30,12 +30,13 @@ from pipelines import (
     job_id_for,
 )
 from sensors import pipeline_definitions
-from tests.pipelines.support import materialize_range, resources_for
-from tests.pipelines.test_keyed_runner import (
+from tests.pipelines.support import (
     SOURCE,
     TOTALS,
     customer_totals,
     expected,
+    materialize_range,
+    resources_for,
     state_of,
     storage_of,
 )
@@ -150,7 +151,7 @@ def test_cold_run_names_the_intact_older_checkpoint_and_restoring_it_works(spark
     assert expected(PARTITIONS) == state_of(restored)
 
 
-def count_rows(state, input):
+def count_rows(input, state):
     return state.union(input.agg(F.count("*").alias("n"))).agg(
         F.sum("n").cast("long").alias("n")), input
 

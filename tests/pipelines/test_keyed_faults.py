@@ -28,7 +28,7 @@ import scenarios_stall  # noqa: E402 - the SIGSTOPped writer
 from checkpoint_storage import collect_garbage, is_appended_segment
 from pipelines import StatefulRunner
 from tests.pipelines import keyed_fault_driver as driver
-from tests.pipelines.test_keyed_runner import SOURCE, referenced_files, shared_files
+from tests.pipelines.support import SOURCE, referenced_files, shared_files
 
 pytestmark = pytest.mark.timeout(300)
 

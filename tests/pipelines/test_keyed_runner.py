@@ -5,28 +5,23 @@ savepoints, NO_CLAIM restores and retention."""
 import datetime as dt
 import json
 import os
-import random
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import dagster as dg
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from pyspark import cloudpickle
-from pyspark.sql import types as T
 
-from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode, is_appended_segment
+from checkpoint_storage import RestoreMode, is_appended_segment
 from pipelines import (
     ClaimRefusedError,
     KeyedResult,
     KeyedStage,
     MaterialisationPolicy,
-    ParquetSink,
     Source,
     StatefulPipeline,
     StatefulRunner,
@@ -34,93 +29,25 @@ from pipelines import (
     read_state,
 )
 from pipelines.keyed import compute_key_group_range_for_operator_index
-from tests.pipelines.support import TOTALS, InjectedFault, customer_totals
-
-PARTITIONS = dg.StaticPartitionsDefinition(["p1", "p2", "p3"])
-BATCHES = 4
-ORDER_SCHEMA = T.StructType([
-    T.StructField("customer", T.StringType()),
-    T.StructField("amount", T.LongType()),
-])
-
-
-@dataclass(frozen=True)
-class GeneratedOrders(Source):
-    """Orders made up from the batch id: the same batch always has the same rows."""
-
-    customers: int = 40
-    rows_per_batch: int = 60
-
-    def batches(self, spark, partition):
-        return [f"{partition}-{i:03d}" for i in range(BATCHES)]
-
-    def read(self, spark, partition, batch):
-        return spark.createDataFrame(self.rows(batch), ORDER_SCHEMA)
-
-    def rows(self, batch: str) -> list[tuple[str, int]]:
-        rng = random.Random(batch)
-        return [(f"c{rng.randrange(self.customers)}", rng.randrange(1, 100))
-                for _ in range(self.rows_per_batch)]
-
-
-
+from tests.pipelines.support import (
+    PARTITIONS,
+    SOURCE,
+    InjectedFault,
+    expected,
+    referenced_files,
+    run_cli,
+    shared_files,
+    state_of,
+    storage_of,
+    totals_pipeline,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-SOURCE = GeneratedOrders()
-
-
-def totals_pipeline(tmp_path: Path, **options) -> StatefulPipeline:
-    options = {"checkpoint_interval": 2, "max_parallelism": 16,
-               "materialisation": MaterialisationPolicy(every=3, min_bytes=0)} | options
-    return StatefulPipeline(
-        name="keyed_totals",
-        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
-        source=SOURCE,
-        partitions=PARTITIONS,
-        sinks=[ParquetSink(name="totals_state", stage="totals", of="state",
-                             url=str(tmp_path / "sink"))],
-        **options,
-    )
-
-
-def expected(partitions: list[str], batches: int = BATCHES) -> dict[str, tuple[int, int]]:
-    """Per customer (orders, total) after ``batches`` batches of each partition."""
-    orders, total = Counter(), Counter()
-    for partition in partitions:
-        for batch in SOURCE.batches(None, partition)[:batches]:
-            for customer, amount in SOURCE.rows(batch):
-                orders[customer] += 1
-                total[customer] += amount
-    return {c: (orders[c], total[c]) for c in orders}
-
-
-def storage_of(tmp_path: Path, **options) -> FileSystemCheckpointStorage:
-    return FileSystemCheckpointStorage(
-        str(tmp_path / "checkpoints"), savepoint_dir=str(tmp_path / "savepoints"),
-        **({"file_state_size_threshold": 0} | options))
 
 
 def runner_of(spark, tmp_path: Path, pipeline=None, **options) -> StatefulRunner:
     return StatefulRunner(spark, storage_of(tmp_path), pipeline or totals_pipeline(tmp_path),
                           keyed_local_dir=str(tmp_path / "local"), **options)
-
-
-def state_of(runner: StatefulRunner, metadata=None) -> dict[str, tuple[int, int]]:
-    metadata = metadata or runner.store.latest().metadata
-    frame = runner.restore_states(metadata)["totals"]
-    rows = frame.collect()
-    assert len(rows) == len({r["customer"] for r in rows}), "a key is in the state twice"
-    return {r["customer"]: (r["orders"], r["total"]) for r in rows}
-
-
-def shared_files(tmp_path: Path, runner: StatefulRunner) -> set[str]:
-    shared = tmp_path / "checkpoints" / str(runner.job_id) / "shared"
-    return {str(p) for p in shared.rglob("*") if p.is_file()}
-
-
-def referenced_files(runner: StatefulRunner) -> set[str]:
-    return {h.path for c in runner.store.all() for h in c.metadata.all_handles()
-            if hasattr(h, "path")}
 
 
 def test_partitions_equal_a_recomputation_and_the_state_sink_writes_it(spark, tmp_path):
@@ -310,7 +237,6 @@ def test_live_and_expired_rows_are_reported_apart(spark, tmp_path):
     the Dagster materialization (state_rows_/expired_rows_) and `checkpoints inspect` (table
     and --json) report 20 live and 20 expired rows, as counted from the batches."""
     from sensors._assets import _materializations
-    from tests.test_cli import run
 
     stage = KeyedStage("seen", "customer", SEEN, last_seen, event_time="ts",
                        ttl=StateTtl(dt.timedelta(hours=1), timestamp_column="last"))
@@ -327,8 +253,8 @@ def test_live_and_expired_rows_are_reported_apart(spark, tmp_path):
     (state_event,) = [e for e in _materializations(pipeline, result, {})
                       if e.asset_key.path == ["timed_totals"]]
     pointer = result.checkpoint.pointer
-    table = run("inspect", pointer).stdout
-    (operator,) = json.loads(run("inspect", pointer, "--json").stdout)["operators"]
+    table = run_cli("inspect", pointer).stdout
+    (operator,) = json.loads(run_cli("inspect", pointer, "--json").stdout)["operators"]
     row = next(line.split() for line in table.splitlines() if line.strip().startswith("seen "))
     assert ((20, 20), (live, expired), (live, expired), (live, expired), (live, expired)) == (
         (live, expired),

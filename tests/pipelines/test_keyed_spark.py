@@ -39,7 +39,7 @@ from pipelines.keyed import (
     replay_chains,
     sweep_idle_stores,
 )
-from pipelines.keyed._spark import _Locked, sweep_other_ranges
+from pipelines.keyed._local_stores import _Locked, sweep_other_ranges
 
 MAX_PARALLELISM = 8
 STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])

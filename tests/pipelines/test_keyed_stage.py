@@ -148,7 +148,7 @@ def test_a_bad_result_is_refused_naming_the_stage(result, match):
 
 
 def kv_stage(name: str) -> Stage:
-    return Stage(name, T.StructType([T.StructField("k", T.StringType())]), lambda s, i: (s, i))
+    return Stage(name, T.StructType([T.StructField("k", T.StringType())]), lambda i, s: (s, i))
 
 
 def pipeline(**overrides) -> StatefulPipeline:

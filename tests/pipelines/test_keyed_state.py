@@ -5,7 +5,6 @@ import datetime as dt
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -41,14 +40,17 @@ from pipelines.keyed import (
     write_change_file,
     write_materialisation,
 )
-
-SCHEMA = pa.schema([("user", pa.string()), ("clicks", pa.int64()),
-                    ("seen", pa.timestamp("us", "UTC"))])
-MAX_PARALLELISM = 8
-LAYOUT = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM)
-ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
-T0 = dt.datetime(2026, 3, 10, tzinfo=dt.UTC)
-NO_KEYS = pa.table({"user": pa.array([], pa.string())})
+from tests.pipelines.support import (
+    ALL,
+    LAYOUT,
+    MAX_PARALLELISM,
+    NO_KEYS,
+    SCHEMA,
+    T0,
+    as_model,
+    clicks_table,
+    store_state,
+)
 
 
 class Job:
@@ -70,29 +72,8 @@ def job(tmp_path) -> Job:
     return Job(tmp_path)
 
 
-def rows(model: dict[str, int]) -> pa.Table:
-    keys = sorted(model)
-    return pa.table({"user": keys, "clicks": [model[k] for k in keys],
-                     "seen": [T0 + dt.timedelta(seconds=model[k]) for k in keys]}, schema=SCHEMA)
-
-
-def as_model(table: pa.Table) -> dict[str, int]:
-    users, clicks = table.column("user").to_pylist(), table.column("clicks").to_pylist()
-    assert len(set(users)) == len(users), "a key is in the state twice"
-    return dict(zip(users, clicks, strict=True))
-
-
 def deletes(keys) -> pa.Table:
     return pa.table({"user": pa.array(sorted(keys), pa.string())})
-
-
-def store_state(store) -> dict[str, int]:
-    table = pa.Table.from_batches(list(store.sorted_batches()), store.layout.stored_schema
-                                  .append(pa.field("_key_group", pa.int16())))
-    groups = table.column("_key_group").to_numpy()
-    assert (store.layout.key_groups_of(table) == groups).all(), "rows under other key groups"
-    assert (np.diff(groups) >= 0).all(), "rows out of key group order"
-    return as_model(table)
 
 
 USERS = [f"user_{i}" for i in range(40)]
@@ -101,6 +82,7 @@ BATCH = st.tuples(st.dictionaries(st.sampled_from(USERS), st.integers(0, 10**6),
 BATCHES = st.lists(BATCH.map(lambda b: (b[0], b[1] - b[0].keys())), min_size=1, max_size=12)
 
 
+@pytest.mark.slow
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(BATCHES, st.integers(0, 11))
 def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
@@ -118,9 +100,9 @@ def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
             model.update(upserts)
             for key in doomed:
                 model.pop(key, None)
-            store.apply(rows(upserts), deletes(doomed), version=str(number))
-            chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL, rows(upserts),
-                                                     deletes(doomed)))
+            store.apply(clicks_table(upserts), deletes(doomed), version=str(number))
+            chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL,
+                                                     clicks_table(upserts), deletes(doomed)))
             if number == materialise_after:
                 chain = KeyedStateChain(ALL, write_materialisation(
                     job.factory, LAYOUT, ALL, store.sorted_batches()))
@@ -146,14 +128,14 @@ def test_rescaling_2_to_3_to_2_loses_and_duplicates_nothing(initial, batches):
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(Path(tmp))
         model = dict(initial)
-        everything = rows(model)
+        everything = clicks_table(model)
         changes = []
         for upserts, doomed in batches:
             doomed = doomed - upserts.keys()
             model.update(upserts)
             for key in doomed:
                 model.pop(key, None)
-            changes.append((rows(upserts), deletes(doomed)))
+            changes.append((clicks_table(upserts), deletes(doomed)))
 
         def split(table: pa.Table, parallelism: int) -> list[pa.Table]:
             groups = LAYOUT.key_groups_of(table)
@@ -193,7 +175,7 @@ def test_rescaling_2_to_3_to_2_loses_and_duplicates_nothing(initial, batches):
 
 def test_change_file_round_trips_upserts_and_deletes(job):
     """What a change file holds reads back as written: full upsert rows, deleted keys."""
-    upserts = rows({"a": 1, "b": 2})
+    upserts = clicks_table({"a": 1, "b": 2})
     handle = write_change_file(job.factory, LAYOUT, ALL, upserts, deletes({"c"}))
 
     read_upserts, read_deletes = read_change_file(handle, LAYOUT, ALL)
@@ -207,7 +189,7 @@ def test_materialisation_is_sorted_by_key_group_and_readable_as_parquet(job, tmp
     """A materialisation is plain Parquet sorted by key group, and a reader of a narrower
     range gets only that range's rows."""
     store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
-    store.apply(rows({f"u{i}": i for i in range(200)}), NO_KEYS)
+    store.apply(clicks_table({f"u{i}": i for i in range(200)}), NO_KEYS)
     handle = write_materialisation(job.factory, LAYOUT, ALL, store.sorted_batches())
     import pyarrow.parquet as pq
 
@@ -268,7 +250,7 @@ def test_chains_refuse_ranges_that_are_not_the_subtasks(job):
 
 def test_corrupted_change_file_is_refused_naming_the_file(job):
     """A change file whose bytes changed on storage is refused with an error naming it."""
-    handle = write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS)
+    handle = write_change_file(job.factory, LAYOUT, ALL, clicks_table({"a": 1}), NO_KEYS)
     data = bytearray(Path(handle.path).read_bytes())
     data[len(data) // 2] ^= 0xFF
     Path(handle.path).write_bytes(bytes(data))
@@ -292,7 +274,7 @@ def test_a_file_of_another_kind_or_range_is_refused(job):
 
 def test_a_missing_change_file_names_it(job):
     """A change file deleted from storage is a FileNotFoundError naming it."""
-    handle = write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS)
+    handle = write_change_file(job.factory, LAYOUT, ALL, clicks_table({"a": 1}), NO_KEYS)
     Path(handle.path).unlink()
 
     with pytest.raises(FileNotFoundError, match=handle.path):
@@ -302,7 +284,7 @@ def test_a_missing_change_file_names_it(job):
 def test_store_refuses_keys_of_other_key_groups(tmp_path):
     """A task's store takes only its range's keys: others mean rows were routed wrongly."""
     store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, KeyGroupRange(0, 0))
-    many = rows({f"u{i}": i for i in range(50)})
+    many = clicks_table({f"u{i}": i for i in range(50)})
 
     with pytest.raises(ValueError, match="key\\(s\\) of other key groups"):
         store.apply(many, NO_KEYS)
@@ -311,7 +293,7 @@ def test_store_refuses_keys_of_other_key_groups(tmp_path):
 def test_store_of_another_layout_or_range_is_refused(tmp_path):
     """Opening a store directory with another range or schema is a LocalStoreError (the
     caller rebuilds), and the directory is left as it was."""
-    ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL).apply(rows({"a": 1}), NO_KEYS)
+    ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL).apply(clicks_table({"a": 1}), NO_KEYS)
     other = KeyedStateLayout(("user",), SCHEMA.append(pa.field("x", pa.int8())),
                              MAX_PARALLELISM)
 
@@ -326,9 +308,9 @@ def test_store_ignores_files_its_manifest_does_not_name(tmp_path):
     """A delta file written before a crash but never recorded in the manifest is not state:
     reopening drops it."""
     store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
-    store.apply(rows({"a": 1}), NO_KEYS)
+    store.apply(clicks_table({"a": 1}), NO_KEYS)
     manifest = (tmp_path / "store" / "MANIFEST.json").read_text()
-    store.apply(rows({"b": 2}), NO_KEYS)
+    store.apply(clicks_table({"b": 2}), NO_KEYS)
     (tmp_path / "store" / "MANIFEST.json").write_text(manifest)  # as if the crash came first
 
     reopened = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
@@ -343,7 +325,7 @@ def test_event_time_expiry_hides_and_drops_expired_keys(tmp_path):
     layout = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM,
                               StateTtl(dt.timedelta(seconds=10), timestamp_column="seen"))
     store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL)
-    store.apply(rows({"old": 1, "new": 100}), NO_KEYS)
+    store.apply(clicks_table({"old": 1, "new": 100}), NO_KEYS)
     cutoff = layout.ttl.cutoff(T0 + dt.timedelta(seconds=50))
 
     visible = store.get(pa.table({"user": ["old", "new"]}), cutoff=cutoff)
@@ -362,11 +344,11 @@ def test_expired_rows_counts_what_the_ttl_expired_in_the_segment_and_the_runs(tm
                               StateTtl(dt.timedelta(seconds=10), timestamp_column="seen"))
     store = ArrowKeyedStateStore(tmp_path / "store", layout, ALL, min_merge_rows=10**6)
     model = {f"u{i}": i % 100 for i in range(3000)}
-    store.load(rows(model))
+    store.load(clicks_table(model))
     changed = {f"u{i}": (i * 7) % 100 for i in range(0, 3000, 3)}  # some expire, some revive
     gone = [f"u{i}" for i in range(1, 3000, 5) if f"u{i}" not in changed]
-    store.apply(rows(changed), pa.table({"user": gone}))
-    store.apply(rows({"new": 5, "newer": 95}), NO_KEYS)
+    store.apply(clicks_table(changed), pa.table({"user": gone}))
+    store.apply(clicks_table({"new": 5, "newer": 95}), NO_KEYS)
     model = {k: v for k, v in (model | changed | {"new": 5, "newer": 95}).items()
              if k not in gone}
     cutoff = layout.ttl.cutoff(T0 + dt.timedelta(seconds=50))  # seen before T0 + 40 s
@@ -384,7 +366,7 @@ def test_processing_time_expiry_keeps_the_write_time_as_state(tmp_path, job):
     layout = KeyedStateLayout(("user",), SCHEMA, MAX_PARALLELISM,
                               StateTtl(dt.timedelta(minutes=1),
                                        TtlTimeCharacteristic.PROCESSING_TIME))
-    stamped = layout.stamp(rows({"a": 1}), T0)
+    stamped = layout.stamp(clicks_table({"a": 1}), T0)
     handle = write_change_file(job.factory, layout, ALL, stamped, NO_KEYS)
     restored = replay_chains([KeyedStateChain(ALL, None, (handle,))], layout, ALL)
 
@@ -396,7 +378,7 @@ def test_processing_time_expiry_keeps_the_write_time_as_state(tmp_path, job):
 def test_shared_files_are_file_handles_for_the_registry(job):
     """Change files and materialisations are file handles in the job's shared/ directory,
     the kind the shared-state registry counts references of."""
-    handles = [write_change_file(job.factory, LAYOUT, ALL, rows({"a": 1}), NO_KEYS),
+    handles = [write_change_file(job.factory, LAYOUT, ALL, clicks_table({"a": 1}), NO_KEYS),
                write_materialisation(job.factory, LAYOUT, ALL, [])]
 
     assert [True, True] == [isinstance(h, FileStateHandle) for h in handles]
@@ -410,7 +392,7 @@ def test_many_batches_replay_like_applying_them(job, tmp_path):
     chain = KeyedStateChain(ALL, None)
     everyone = USERS * 5
     for number, users in enumerate(everyone[i:i + 4] for i in range(0, len(everyone), 4)):
-        upserts = rows({u: number for u in users})
+        upserts = clicks_table({u: number for u in users})
         store.apply(upserts, NO_KEYS)
         chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL, upserts, NO_KEYS))
 
@@ -439,10 +421,10 @@ def test_rebuild_replaces_a_stale_store_with_the_chains_state(job, tmp_path):
     """A task with a stale store rebuilds it from the chain: the old rows are gone, the
     chain's are there, and the store says which version it holds."""
     stale = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
-    stale.apply(rows({"gone": 1}), NO_KEYS, version="3")
+    stale.apply(clicks_table({"gone": 1}), NO_KEYS, version="3")
     stale.close()
     chain = KeyedStateChain(ALL, None, (write_change_file(job.factory, LAYOUT, ALL,
-                                                          rows({"a": 1}), NO_KEYS),))
+                                                          clicks_table({"a": 1}), NO_KEYS),))
 
     store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], version="7")
 
@@ -473,7 +455,8 @@ def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_t
         factory = job.access.resolve_checkpoint_storage_location(
             checkpoint_id, location.location_reference)
         if checkpoint_id < 3:
-            handle = write_change_file(factory, LAYOUT, ALL, rows({"a": checkpoint_id}), NO_KEYS)
+            handle = write_change_file(factory, LAYOUT, ALL, clicks_table({"a": checkpoint_id}),
+                                       NO_KEYS)
             chain = chain.appended(handle)
         else:
             handle = write_materialisation(factory, LAYOUT, ALL, [])

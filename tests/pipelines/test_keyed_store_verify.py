@@ -16,12 +16,16 @@ from pyspark import cloudpickle
 
 from pipelines import MaterialisationPolicy, StatefulRunner, read_state
 from pipelines.keyed import ArrowKeyedStateStore, LocalStoreError, _store, remove_store
-from tests.pipelines.test_keyed_runner import (
+from tests.pipelines.support import (
+    ALL,
+    LAYOUT,
+    NO_KEYS,
     GeneratedOrders,
+    clicks_table,
     storage_of,
+    store_state,
     totals_pipeline,
 )
-from tests.pipelines.test_keyed_state import ALL, LAYOUT, NO_KEYS, rows, store_state
 
 CLICKS = {f"user_{i}": 7_000_001 + 977 * i for i in range(200)}  # distinctive int64 bytes
 
@@ -63,8 +67,8 @@ def files(directory: Path, prefix: str) -> list[Path]:
 def store_dir(tmp_path) -> Path:
     """A store whose segment holds ``CLICKS`` and whose one run changes user_0."""
     store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
-    store.load(rows(CLICKS), version="v1")
-    store.apply(rows({"user_0": 5_550_001}), NO_KEYS, version="v2")
+    store.load(clicks_table(CLICKS), version="v1")
+    store.apply(clicks_table({"user_0": 5_550_001}), NO_KEYS, version="v2")
     store.close()
     assert (1, 1) == (len(files(tmp_path / "store", "segment")),
                       len(files(tmp_path / "store", "run")))
@@ -157,7 +161,8 @@ def test_a_stale_copy_of_the_directory_is_never_taken_for_the_current_state(stor
     backup = tmp_path / "backup"
     shutil.copytree(store_dir, backup)
     store = ArrowKeyedStateStore(store_dir, LAYOUT, ALL, min_merge_rows=1, merge_ratio=0.0)
-    store.apply(rows({"user_1": 1}), NO_KEYS, version="v3")  # merges: a new segment, no runs
+    # merges: a new segment, no runs
+    store.apply(clicks_table({"user_1": 1}), NO_KEYS, version="v3")
     store.close()
     old_run = files(backup, "run")[0]
     assert not (store_dir / old_run.name).exists()
@@ -198,7 +203,7 @@ def test_a_file_is_hashed_once_per_process_while_unchanged(store_dir, monkeypatc
     ArrowKeyedStateStore(store_dir, LAYOUT, ALL).close()
     first = len(hashed)
     store = ArrowKeyedStateStore(store_dir, LAYOUT, ALL)
-    store.apply(rows({"user_2": 3}), NO_KEYS, version="v3")  # its new run: known good
+    store.apply(clicks_table({"user_2": 3}), NO_KEYS, version="v3")  # its new run: known good
     store.close()
     ArrowKeyedStateStore(store_dir, LAYOUT, ALL).close()
     again = len(hashed)
@@ -230,7 +235,7 @@ def test_each_file_is_fsynced_before_the_manifest_naming_it(tmp_path, monkeypatc
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    store.apply(rows({"a": 1}), NO_KEYS, version="v1")
+    store.apply(clicks_table({"a": 1}), NO_KEYS, version="v1")
 
     run = files(tmp_path / "store", "run")[0].name
     assert [("fsync", run), "manifest temporary", ("rename", "MANIFEST.json"),

@@ -2,7 +2,10 @@
 (no Spark here: the runs themselves are in test_defs.py)."""
 
 import datetime as dt
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,9 @@ from dagster_shared.error import SerializableErrorInfo
 
 from pipelines import SourcePosition
 from pipelines.main import (
+    UNTIL_CONFIRM_ABOVE,
     backfill_command,
+    confirm_until,
     error_summary,
     next_partitions,
     parse_args,
@@ -66,6 +71,74 @@ def test_until_processes_every_missing_partition_up_to_the_day(latest, until, ex
     however many, but never today or later."""
     days = None  # --until and --days exclude each other
     assert expected == next_partitions(latest, days, TODAY, dt.date.fromisoformat(until))
+
+
+def _never_asked(question: str) -> str:
+    raise AssertionError(f"asked {question!r}")
+
+
+def test_until_far_ahead_asks_or_wants_yes_beyond_a_month(capsys):
+    """Issue 29: --until years ahead picks every missing day up to yesterday (56 here); more
+    than UNTIL_CONFIRM_ABOVE are processed only with --yes or a "y" at the prompt, and
+    without a terminal the run exits with what to pass; it says that it stops at yesterday."""
+    today = dt.date(2026, 11, 26)
+    until = dt.date(2030, 1, 1)
+    partitions = next_partitions(None, None, today, until)
+    assert (56, "2026-10-01", "2026-11-25") == (len(partitions), partitions[0], partitions[-1])
+    refused = confirm_until(partitions, until, today)
+    assert refused == (
+        "--until 2030-01-01 selects 56 partitions, 2026-10-01 to 2026-11-25 (more than 31): "
+        "nothing processed. Pass --yes to process them all, or choose an earlier --until or "
+        "--days N."
+    )
+    assert "--until 2030-01-01 is not over yet: processing up to yesterday, 2026-11-25" in (
+        capsys.readouterr().out
+    )
+    asked = []
+    assert None is confirm_until(partitions, until, today, answer=lambda q: asked.append(q) or "y")
+    assert ["--until 2030-01-01 selects 56 partitions, 2026-10-01 to 2026-11-25. Process them "
+            "all? [y/N] "] == asked  # fmt: skip
+    assert refused == confirm_until(partitions, until, today, answer=lambda q: "")
+    assert None is confirm_until(partitions, until, today, yes=True, answer=_never_asked)
+
+
+def test_until_within_a_month_or_days_never_ask(capsys):
+    """Up to UNTIL_CONFIRM_ABOVE partitions, and --days whatever its count, run without a
+    question; a past --until says nothing more."""
+    today = dt.date(2026, 11, 26)
+    until = dt.date(2026, 10, UNTIL_CONFIRM_ABOVE)
+    partitions = next_partitions(None, None, today, until)
+    assert UNTIL_CONFIRM_ABOVE == len(partitions)
+    assert None is confirm_until(partitions, until, today, answer=_never_asked)
+    many = next_partitions(None, 50, today)
+    assert None is confirm_until(many, None, today, answer=_never_asked)
+    assert "" == capsys.readouterr().out
+
+
+def test_yes_only_with_until(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--yes"])
+    assert 2 == exit_.value.code
+    assert "argument --yes: only with --until" in capsys.readouterr().err
+    assert parse_args(["--until", "2026-10-05", "--yes"]).yes
+
+
+@pytest.mark.timeout(300)
+def test_main_refuses_months_of_partitions_without_a_terminal(tmp_path):
+    """scripts/run --until 2099-12-31 without a terminal (stdin not a tty) and without
+    --yes: exit 2 with the message before any run (the instance records none)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "SPARK_"))}
+    env |= {"DAGSTER_HOME": str(tmp_path / "home"), "PIPELINE_DATA_DIR": str(tmp_path / "data")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelines.main", "--until", "2099-12-31"],
+        cwd=Path(__file__).resolve().parents[2], env=env, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert 2 == done.returncode, done.stdout + done.stderr
+    assert "--until 2099-12-31 selects " in done.stderr
+    assert "Pass --yes to process them all" in done.stderr
+    assert "Run " not in done.stdout
+    assert not list((tmp_path / "home").glob("storage/*/*"))  # no run's logs
 
 
 def test_until_is_parsed_as_a_day():
@@ -140,7 +213,7 @@ def test_a_failure_is_summarised_as_the_users_error_in_one_line():
         "Python worker:\nTraceback (most recent call last):\n  File \"s.py\", line 3\n"
         "ValueError: bad\n", [], "PythonException")
     stage = SerializableErrorInfo(
-        "pipelines.runner.StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): "
+        "pipelines.StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): "
         "ValueError: bad\n", [], "StageError", cause=worker)
     step = SerializableErrorInfo(
         'dagster._core.errors.DagsterExecutionStepExecutionError: Error occurred while '

@@ -53,7 +53,7 @@ class GeneratedOrders(Source):
         return spark.createDataFrame(rows, ORDER_SCHEMA)
 
 
-def customer_totals(state, orders):
+def customer_totals(orders, state):
     batch = orders.groupBy("customer").agg(
         F.count(F.lit(1)).cast("long").alias("orders"), F.sum("amount").cast("long").alias("total")
     )

@@ -57,7 +57,7 @@ def reference(spark, pipeline, hours) -> tuple[dict, dict]:
         for batch in pipeline.source.batches(spark, hour):
             views = pipeline.source.read(spark, hour, batch).localCheckpoint(eager=True)
             for stage in STAGES:
-                new_state, output = stage.apply(states[stage.name], views)
+                new_state, output = stage.apply(views, states[stage.name])
                 states[stage.name] = new_state.localCheckpoint(eager=True)
                 if stage.name == "sessions":
                     closed[hour] += rows(output)
@@ -120,7 +120,7 @@ def test_hour_keys_order_and_sessions_expire_across_hours(spark):
     )
     state = empty_state(spark, STAGES[0])
 
-    still_open, closed = STAGES[0].apply(state, views)
+    still_open, closed = STAGES[0].apply(views, state)
 
     assert ["u2"] == [r[0] for r in rows(still_open)]
     assert [("u1", 1)] == [(r[0], r[3]) for r in rows(closed)]

@@ -171,7 +171,7 @@ def sample_states(spark, landing) -> dict:
     states = {}
     data = events
     for stage in STAGES:
-        state, data = stage.apply(empty_state(spark, stage), data)
+        state, data = stage.apply(data, empty_state(spark, stage))
         states[stage.name] = state.repartition(3).localCheckpoint(eager=True)
     return states
 

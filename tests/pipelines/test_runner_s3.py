@@ -85,7 +85,7 @@ def sample_states(spark, landing) -> dict:
     data = spark.read.schema(EVENT_SCHEMA).parquet(*batch_urls(landing, D1))
     states = {}
     for stage in STAGES:
-        state, data = stage.apply(empty_state(spark, stage), data)
+        state, data = stage.apply(data, empty_state(spark, stage))
         states[stage.name] = state.repartition(3).localCheckpoint(eager=True)
     return states
 

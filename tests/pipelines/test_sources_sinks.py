@@ -416,7 +416,7 @@ def test_spark_writer_sink_output_batches_replace_and_clear(spark, tmp_path):
 STATE = T.StructType([T.StructField("k", T.StringType())])
 
 
-def identity(state, data):
+def identity(data, state):
     return state, data
 
 
@@ -580,7 +580,7 @@ COUNT_STATE = T.StructType(
 )
 
 
-def count(state, batch):
+def count(batch, state):
     """Per key: the sum of ``v`` and the number of rows; output: this batch's figures."""
     figures = batch.groupBy("k").agg(
         F.sum("v").cast("bigint").alias("total"), F.count(F.lit(1)).alias("n")
@@ -625,7 +625,7 @@ def recompute(spark, names: list[str]) -> tuple[list[tuple], list[tuple]]:
     state = empty_state(spark, Stage("count", COUNT_STATE, count))
     outputs = []
     for name in names:
-        state, output = count(state, kv_frame(spark, BATCH_ROWS[name]))
+        state, output = count(kv_frame(spark, BATCH_ROWS[name]), state)
         state = state.localCheckpoint(eager=True)
         outputs += rows(output)
     return rows(state), sorted(outputs)

@@ -64,7 +64,7 @@ def deletes_another_key(input: pa.Table, state: pa.Table) -> KeyedResult:
     return KeyedResult(KV.empty_table(), pa.table({"k": ["zz"]}), KV.empty_table())
 
 
-def raising_in_worker(state, input):
+def raising_in_worker(input, state):
     """A DataFrame stage whose function fails on the executors, not when it is applied."""
 
     def fail(batches):
@@ -172,7 +172,7 @@ def test_a_state_unlike_the_declared_schema_never_reaches_a_checkpoint(spark, tm
     """A DataFrame stage whose new state has an extra column, INT instead of LONG, a nullable
     column declared NOT NULL or another column order fails at that batch, naming the stage
     and the difference; no checkpoint completes (once, two did)."""
-    stage = Stage("kv", STATE, lambda state, input: (new_state(input), input))
+    stage = Stage("kv", STATE, lambda input, state: (new_state(input), input))
 
     error = failure(spark, tmp_path, pipeline(stage))
 
@@ -184,7 +184,7 @@ def test_a_state_unlike_the_declared_schema_never_reaches_a_checkpoint(spark, tm
 @pytest.mark.timeout(180)
 def test_the_declared_schema_passes(spark, tmp_path):
     """A new state of exactly the declared schema is checkpointed as before."""
-    stage = Stage("kv", STATE, lambda state, input: (as_state(input), input))
+    stage = Stage("kv", STATE, lambda input, state: (as_state(input), input))
     runner_of(spark, tmp_path, pipeline(stage)).run(["p1"])
 
     assert 2 == len(completed(tmp_path))  # after batch 1, and at the end of p1
@@ -207,7 +207,7 @@ def test_a_stage_raising_in_a_spark_worker_is_one_line_without_java_traces(spark
 def test_a_stage_raising_in_the_driver_names_where(spark, tmp_path):
     """A stage function failing on the driver: the same line, with the driver's error."""
 
-    def fail(state, input):
+    def fail(input, state):
         raise ValueError("no column 'x'\nsecond line")
 
     error = failure(spark, tmp_path, pipeline(Stage("early", STATE, fail)))
@@ -247,7 +247,38 @@ def test_the_dagster_step_failure_carries_the_one_line(spark, tmp_path):
     error = failed.event_specific_data.error
 
     assert not result.success
-    assert (f"pipelines.runner.StageError: {BATCH_1.format('boom')}ValueError: bad row k=a"
+    assert (f"pipelines.StageError: {BATCH_1.format('boom')}ValueError: bad row k=a"
             == error.cause.message.strip())
     # what scripts/run prints of it
     assert f"StageError: {BATCH_1.format('boom')}ValueError: bad row k=a" == error_summary(error)
+
+
+def test_a_dataframe_stage_written_for_the_old_argument_order_is_refused():
+    """``Stage.apply`` takes ``(input, state)``, as ``KeyedStage.apply`` does; a function
+    whose first parameter is named as the state (the order before) is refused when the stage
+    is declared, saying how to fix it, rather than be handed the batch as its state."""
+
+    def totals(state, orders):
+        return state, orders
+
+    def moved(old_state, batch, horizon=None):
+        return old_state, batch
+
+    refused = []
+    for function in (totals, moved):
+        with pytest.raises(TypeError) as error:
+            Stage("totals", STATE, function)
+        refused.append(str(error.value))
+
+    assert refused == [
+        "stage totals: totals(state, orders, ...) takes the state first, but a stage's apply "
+        "takes (input, state): input first, like a keyed stage's (the order changed; see the "
+        "changelog). Swap its parameters: def totals(orders, state, ...)",
+        "stage totals: moved(old_state, batch, ...) takes the state first, but a stage's apply "
+        "takes (input, state): input first, like a keyed stage's (the order changed; see the "
+        "changelog). Swap its parameters: def moved(batch, old_state, ...)",
+    ]
+    # Input first, names that tell nothing, and callables without a signature are taken.
+    for function in (lambda orders, state: (state, orders), lambda s, i: (s, i),
+                     lambda old_state, new_state: (new_state, old_state), max):
+        assert Stage("totals", STATE, function).apply is function

@@ -68,7 +68,7 @@ def activity_state(spark, *rows):
 def test_dedupe_drops_duplicates_within_a_batch(spark):
     """A batch that delivers an event twice outputs it once."""
     batch = events(spark, ("e1", "u1", 0, "1.00"), ("e2", "u1", 1, "2.00"), ("e1", "u1", 0, "1.00"))
-    _, output = dedupe(empty_state(spark, STAGES[0]), batch)
+    _, output = dedupe(batch, empty_state(spark, STAGES[0]))
     assert ["e1", "e2"] == sorted(r["event_id"] for r in output.collect())
 
 
@@ -76,23 +76,23 @@ def test_dedupe_drops_duplicates_already_in_state(spark):
     """An event whose id is in the state (seen in an earlier batch) is not output again."""
     state = dedupe_state(spark, ("e1", 0), ("e2", 1))
     batch = events(spark, ("e1", "u1", 0, "1.00"), ("e3", "u2", 2, "3.00"))
-    _, output = dedupe(state, batch)
+    _, output = dedupe(batch, state)
     assert ["e3"] == ids(output)
 
 
 def test_dedupe_drops_duplicates_across_consecutive_batches(spark):
     """Feeding one batch's new state into the next recognises redeliveries of its events."""
     state, first = dedupe(
-        empty_state(spark, STAGES[0]), events(spark, ("e1", "u1", 0, "1"), ("e2", "u1", 1, "2"))
+        events(spark, ("e1", "u1", 0, "1"), ("e2", "u1", 1, "2")), empty_state(spark, STAGES[0])
     )
-    _, second = dedupe(state, events(spark, ("e2", "u1", 1, "2"), ("e3", "u2", 2, "3")))
+    _, second = dedupe(events(spark, ("e2", "u1", 1, "2"), ("e3", "u2", 2, "3")), state)
     assert (["e1", "e2"], ["e3"]) == (ids(first), ids(second))
 
 
 def test_dedupe_output_keeps_event_columns_and_values(spark):
     """Output rows are the input events unchanged, in the event schema's column order."""
     batch = events(spark, ("e1", "u7", 0.5, "12.34"))
-    _, output = dedupe(empty_state(spark, STAGES[0]), batch)
+    _, output = dedupe(batch, empty_state(spark, STAGES[0]))
     rows = [
         (r["event_id"], r["user_id"], utc(r["event_ts"]), r["amount"]) for r in output.collect()
     ]
@@ -113,7 +113,7 @@ def test_dedupe_drops_events_older_than_retention_of_the_batch_watermark(spark):
         ("late", "u1", -window_h - 1, "1"),
         ("inside", "u1", -window_h + 1, "1"),
     )
-    _, output = dedupe(empty_state(spark, STAGES[0]), batch)
+    _, output = dedupe(batch, empty_state(spark, STAGES[0]))
     assert ["edge", "inside", "new"] == ids(output)
 
 
@@ -123,7 +123,7 @@ def test_dedupe_watermark_includes_the_state(spark):
     window_h = DEDUPE_RETENTION.total_seconds() / 3600
     state = dedupe_state(spark, ("seen", 0))
     batch = events(spark, ("late", "u1", -window_h - 1, "1"), ("ok", "u1", -window_h + 1, "1"))
-    _, output = dedupe(state, batch)
+    _, output = dedupe(batch, state)
     assert ["ok"] == ids(output)
 
 
@@ -133,7 +133,7 @@ def test_dedupe_state_keeps_only_ids_within_the_window(spark):
     window_h = DEDUPE_RETENTION.total_seconds() / 3600
     state = dedupe_state(spark, ("old", 0), ("kept", 2))
     batch = events(spark, ("e1", "u1", window_h - 2, "1"), ("e2", "u1", window_h + 1, "1"))
-    new_state, _ = dedupe(state, batch)
+    new_state, _ = dedupe(batch, state)
     assert [
         ("e1", at(window_h - 2)),
         ("e2", at(window_h + 1)),
@@ -144,14 +144,14 @@ def test_dedupe_state_keeps_only_ids_within_the_window(spark):
 def test_dedupe_state_records_each_output_event_once(spark):
     """A duplicate within a batch adds its id to the state once."""
     batch = events(spark, ("e1", "u1", 0, "1"), ("e1", "u1", 0, "1"), ("e2", "u1", 1, "1"))
-    new_state, _ = dedupe(empty_state(spark, STAGES[0]), batch)
+    new_state, _ = dedupe(batch, empty_state(spark, STAGES[0]))
     assert [("e1", at(0)), ("e2", at(1))] == state_rows(new_state)
 
 
 def test_dedupe_empty_input_and_state(spark):
     """Empty state and empty input give empty state and empty output with the stage's
     columns."""
-    new_state, output = dedupe(empty_state(spark, STAGES[0]), events(spark))
+    new_state, output = dedupe(events(spark), empty_state(spark, STAGES[0]))
     assert (
         ([], DEDUPE_STATE_SCHEMA.fieldNames()),
         ([], EVENT_SCHEMA.fieldNames()),
@@ -161,13 +161,13 @@ def test_dedupe_empty_input_and_state(spark):
 def test_dedupe_empty_input_keeps_the_state(spark):
     """An empty batch outputs nothing and leaves the state as it was."""
     state = dedupe_state(spark, ("e1", 0), ("e2", 1))
-    new_state, output = dedupe(state, events(spark))
+    new_state, output = dedupe(events(spark), state)
     assert ([], [("e1", at(0)), ("e2", at(1))]) == (output.collect(), state_rows(new_state))
 
 
 def test_dedupe_new_state_has_the_stage_schema(spark):
     """The new state has the dedupe stage's state schema."""
-    new_state, _ = dedupe(empty_state(spark, STAGES[0]), events(spark, ("e1", "u1", 0, "1")))
+    new_state, _ = dedupe(events(spark, ("e1", "u1", 0, "1")), empty_state(spark, STAGES[0]))
     assert DEDUPE_STATE_SCHEMA.fieldNames() == new_state.columns
     assert [f.dataType for f in DEDUPE_STATE_SCHEMA] == [f.dataType for f in new_state.schema]
 
@@ -195,7 +195,7 @@ def test_dedupe_retention_is_absolute_time_across_a_dst_change(spark, driver_in_
         ],
         EVENT_SCHEMA,
     )
-    _, output = dedupe(empty_state(spark, STAGES[0]), batch)
+    _, output = dedupe(batch, empty_state(spark, STAGES[0]))
     assert ["new", "ok"] == ids(output)
 
 
@@ -212,7 +212,7 @@ def test_user_activity_aggregates_a_batch(spark):
         ("e3", "u1", 2, "9999999999.99"),
         ("e4", "u2", 5, "0.01"),
     )
-    new_state, output = user_activity(empty_state(spark, STAGES[1]), batch)
+    new_state, output = user_activity(batch, empty_state(spark, STAGES[1]))
     expected = {
         "u1": (3, Decimal("10000000000.29"), at(1), at(3)),
         "u2": (1, Decimal("0.01"), at(5), at(5)),
@@ -223,7 +223,7 @@ def test_user_activity_aggregates_a_batch(spark):
 def test_user_activity_sums_exactly_to_the_cent(spark):
     """Many small decimal amounts sum exactly (no float rounding)."""
     batch = events(spark, *[(f"e{i}", "u1", 0, "0.10") for i in range(30)])
-    new_state, _ = user_activity(empty_state(spark, STAGES[1]), batch)
+    new_state, _ = user_activity(batch, empty_state(spark, STAGES[1]))
     assert Decimal("3.00") == new_state.collect()[0]["amount_sum"]
 
 
@@ -237,7 +237,7 @@ def test_user_activity_merges_with_existing_state(spark):
         ("e2", "u1", 4, "0.25"),
         ("e3", "u2", 1, "7.00"),
     )
-    new_state, output = user_activity(state, batch)
+    new_state, output = user_activity(batch, state)
     assert (
         {
             "u1": (7, Decimal("101.00"), at(-2), at(4)),
@@ -254,7 +254,7 @@ def test_user_activity_merges_with_existing_state(spark):
 def test_user_activity_empty_input_keeps_the_state(spark):
     """An empty batch outputs nothing and leaves the state as it was."""
     state = activity_state(spark, ("u1", 5, "100.50", 0, 2))
-    new_state, output = user_activity(state, events(spark))
+    new_state, output = user_activity(events(spark), state)
     assert ({}, {"u1": (5, Decimal("100.50"), at(0), at(2))}) == (
         activity(output),
         activity(new_state),
@@ -263,7 +263,7 @@ def test_user_activity_empty_input_keeps_the_state(spark):
 
 def test_user_activity_empty_input_and_state(spark):
     """Empty state and empty input give empty state and output with the stage's columns."""
-    new_state, output = user_activity(empty_state(spark, STAGES[1]), events(spark))
+    new_state, output = user_activity(events(spark), empty_state(spark, STAGES[1]))
     assert (([], USER_ACTIVITY_STATE_SCHEMA.fieldNames()), []) == (
         (new_state.collect(), new_state.columns),
         output.collect(),
@@ -272,7 +272,7 @@ def test_user_activity_empty_input_and_state(spark):
 
 def test_user_activity_new_state_has_the_stage_schema(spark):
     """The new state has the user_activity stage's state schema (column names and types)."""
-    new_state, _ = user_activity(empty_state(spark, STAGES[1]), events(spark, ("e", "u", 0, "1")))
+    new_state, _ = user_activity(events(spark, ("e", "u", 0, "1")), empty_state(spark, STAGES[1]))
     assert [(f.name, f.dataType) for f in USER_ACTIVITY_STATE_SCHEMA] == [
         (f.name, f.dataType) for f in new_state.schema
     ]
@@ -285,6 +285,6 @@ def test_dedupe_state_partitions_do_not_grow_with_batches(spark):
     state = empty_state(spark, STAGES[0])
     for batch in range(limit + 2):
         data = events(spark, *[(f"e{batch}-{i}", "u1", batch, "1") for i in range(4)])
-        state, _ = dedupe(state, data.repartition(2))
+        state, _ = dedupe(data.repartition(2), state)
         state = state.localCheckpoint(eager=True)  # as the runner does: cut the lineage
     assert (4 * (limit + 2), True) == (state.count(), state.rdd.getNumPartitions() <= limit)

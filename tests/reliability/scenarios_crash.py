@@ -560,21 +560,18 @@ def two_host_cluster(root: Path) -> Iterator[object]:
     """A standalone master and two workers, on 127.0.0.1 and 127.0.0.2 (Linux routes all of
     127/8 to loopback): Spark only launches a speculative copy on another host than the
     original attempt's, so local mode and one-worker clusters never speculate. Built on the
-    harness of tests/pipelines/test_cluster.py; every process is stopped on exit."""
-    pipelines_tests = str(HERE.parent / "pipelines")
-    if pipelines_tests not in sys.path:
-        sys.path.insert(0, pipelines_tests)
-    import test_cluster
+    harness of tests/pipelines/standalone_cluster.py; every process is stopped on exit."""
+    from tests.pipelines import standalone_cluster
 
-    class TwoHostCluster(test_cluster.Cluster):
+    class TwoHostCluster(standalone_cluster.Cluster):
         def start(self) -> None:
             super().start()
             self._spawn("worker2", [
-                test_cluster.SPARK_CLASS, "org.apache.spark.deploy.worker.Worker",
+                standalone_cluster.SPARK_CLASS, "org.apache.spark.deploy.worker.Worker",
                 "--host", "127.0.0.2", "--port", 0, "--webui-port", 0, "--cores", 1,
                 "--memory", "1g", "--work-dir", self.work_dir, self.url,
             ])
-            deadline = time.monotonic() + test_cluster.STARTUP_TIMEOUT
+            deadline = time.monotonic() + standalone_cluster.STARTUP_TIMEOUT
             while time.monotonic() < deadline:
                 with contextlib.suppress(OSError, ValueError):
                     workers = self.master_state().get("workers", [])

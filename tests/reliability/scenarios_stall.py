@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.pipelines import keyed_fault_driver as driver  # noqa: E402
-from tests.pipelines.test_keyed_runner import SOURCE  # noqa: E402
+from tests.pipelines.support import SOURCE  # noqa: E402
 
 __all__ = ["LOCK_SLACK", "MARGIN", "SCENARIOS", "StalledWriter", "metadata_files",
            "sigstop_writers"]

@@ -10,7 +10,6 @@ import pytest
 
 from checkpoint_storage import FileSystemCheckpointStorage
 from resources import CheckpointStorageResource
-from tests.pipelines.conftest import spark  # noqa: F401 - the session-scoped Spark fixture
 from tests.pipelines.support import click_pipeline, materialize_range, resources_for
 from tests.reliability.proxy import FaultProxy
 from tests.reliability.scenarios_net import (

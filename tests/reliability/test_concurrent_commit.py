@@ -5,6 +5,7 @@ import pytest
 from tests.reliability import scenarios_fs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_concurrent_commits_local(tmp_path):
     """Exactly one of 16 racing processes wins on local disk; the rest get FileExistsError."""

@@ -30,6 +30,7 @@ def test_an_ignoring_endpoint_never_overwrites_silently(s3_server):
     assert (2, 0) == (result.trials, result.failures), result.figure
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sixteen_processes_racing_for_a_lease_on_local_disk(tmp_path):
     """16 processes, one job: at most one owner at once, unique epochs and ids, each

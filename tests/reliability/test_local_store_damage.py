@@ -6,6 +6,9 @@ import pytest
 
 from tests.reliability import scenarios_store
 
+# The scenarios run keyed pipelines on a local Spark in a subprocess.
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
 
 @pytest.mark.timeout(600)
 def test_damaged_local_stores_never_commit_a_wrong_value():

@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import scenarios_crash  # noqa: E402 - the harness lives next to the tests
 
+# Spark drivers and a standalone cluster in subprocesses.
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> scenarios_crash.SparkKillReport:

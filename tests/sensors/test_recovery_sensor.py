@@ -26,7 +26,7 @@ from sensors import (
     pipeline_definitions,
 )
 from sensors.recovery import run_lease_owner
-from tests.sensors.conftest import (
+from tests.sensors.support import (
     ASSET_PARTITION_RANGE_END_TAG,
     ASSET_PARTITION_RANGE_START_TAG,
     PARTITION_NAME_TAG,

@@ -11,8 +11,8 @@ import pytest
 from pipelines import SourcePosition, job_id_for
 from resources import SparkResource
 from tests.pipelines.support import click_pipeline
-from tests.sensors.conftest import materialize_range, pipeline_access, resources_for
-from tests.sensors.conftest import write_snapshot as snapshot
+from tests.sensors.support import materialize_range, pipeline_access, resources_for
+from tests.sensors.support import write_snapshot as snapshot
 
 SPARK_GUARD = "the Spark session was requested"
 
@@ -43,7 +43,7 @@ def test_restore_from_that_does_not_exist_fails_before_spark(tmp_path):
         )  # fmt: skip
     message = failure_message(result)
     assert not result.success
-    expected = f"pipelines.runner.MissingStateError: restore_from {missing} does not exist"
+    expected = f"pipelines.MissingStateError: restore_from {missing} does not exist"
     assert expected == message[: len(expected)]
     assert SPARK_GUARD not in message
 
@@ -62,7 +62,7 @@ def test_restore_from_that_does_not_fit_fails_before_spark(tmp_path):
             pipeline=click_pipeline(tmp_path), restore_from=pointer,
         )  # fmt: skip
     assert (
-        f"pipelines.runner.MissingStateError: {pointer} holds the state at end of 2026-10-01, "
+        f"pipelines.MissingStateError: {pointer} holds the state at end of 2026-10-01, "
         "but processing 2026-10-05 starts from the end of 2026-10-04 (or from within "
         "2026-10-05): choose a snapshot that fits, or a range that starts right after it"
     ) == failure_message(result)
@@ -99,7 +99,7 @@ def test_claim_of_another_pipelines_checkpoint_fails_before_spark(tmp_path):
             pipeline=click_pipeline(tmp_path), restore_from=pointer, restore_mode="CLAIM",
         )  # fmt: skip
     message = failure_message(result)
-    assert message.startswith(f"pipelines.runner.ClaimRefusedError: restore_from {pointer}")
+    assert message.startswith(f"pipelines.ClaimRefusedError: restore_from {pointer}")
     assert ("use NO_CLAIM" in message, SPARK_GUARD in message) == (True, False)
     assert Path(pointer, "_metadata").is_file()
 

@@ -13,14 +13,14 @@ import pytest
 import sensors.retention
 from pipelines import SourcePosition
 from sensors import RetentionPolicy, build_retention_sensor
-from tests.sensors.conftest import (
+from tests.sensors.support import (
     age,
     files_below,
     pipeline_access,
     storage_resource,
     unused_click_pipeline,
 )
-from tests.sensors.conftest import write_snapshot as snapshot
+from tests.sensors.support import write_snapshot as snapshot
 from tests.support import payload, write_state
 
 HOUR = 3600.0
@@ -234,12 +234,19 @@ def test_a_flink_job_directory_is_kept_whole_and_reported(tmp_path):
     assert {"foreign"} == {c["reason"] for c in unreadable}
 
 
-def retained_rows(event) -> list[tuple]:
-    """The (kind, id, partition, batches, complete, pointer) rows of an event's ``retained``
-    table."""
+def retained_rows(event, prepared) -> list[tuple]:
+    """The (kind, id, position, pointer) rows of an event's ``retained`` table, each pointer
+    joined to the directory it is relative to (the job's, the scheduled or the hand-made
+    savepoints')."""
     table = event.metadata["retained"]
+    directories = {
+        "checkpoint": prepared.chk[4].rsplit("/", 1)[0],
+        "savepoint": str(prepared.root / "savepoints"),
+        "scheduled savepoint": str(prepared.root / "savepoints" / "scheduled"),
+    }
     return [
-        tuple(r.data[c] for c in ("kind", "id", "partition", "batches", "complete", "pointer"))
+        tuple(r.data[c] for c in ("kind", "id", "position"))
+        + (f"{directories[r.data['kind']]}/{r.data['pointer']}",)
         for r in table.records
     ]
 
@@ -254,15 +261,42 @@ def test_observation_shows_what_is_retained_after_the_tick(tmp_path):
         result = evaluate(sensor, instance, prepared.resource)
     (observation,) = result.asset_events
     expected = [
-        ("checkpoint", 4, "2026-10-04", 2, True, prepared.chk[4]),
-        ("checkpoint", 5, "2026-10-05", 2, True, prepared.chk[5]),
-        ("savepoint", 2, "2026-10-02", 2, True, prepared.hand_made[0]),
-        ("scheduled savepoint", 1, "2026-10-01", 2, True, prepared.scheduled[0]),
-        ("scheduled savepoint", 3, "2026-10-03", 2, True, prepared.scheduled[2]),
-        ("scheduled savepoint", 4, "2026-10-04", 2, True, prepared.scheduled[3]),
-        ("savepoint", 5, "2026-10-05", 2, True, prepared.hand_made[1]),
+        ("checkpoint", 4, "2026-10-04 end", prepared.chk[4]),
+        ("checkpoint", 5, "2026-10-05 end", prepared.chk[5]),
+        ("savepoint", 2, "2026-10-02 end", prepared.hand_made[0]),
+        ("scheduled savepoint", 1, "2026-10-01 end", prepared.scheduled[0]),
+        ("scheduled savepoint", 3, "2026-10-03 end", prepared.scheduled[2]),
+        ("scheduled savepoint", 4, "2026-10-04 end", prepared.scheduled[3]),
+        ("savepoint", 5, "2026-10-05 end", prepared.hand_made[1]),
     ]
-    assert expected == retained_rows(observation)
+    assert expected == retained_rows(observation, prepared)
+
+
+def test_retained_table_is_narrow_with_the_pointer_last_and_relative(tmp_path):
+    """Issue 29: the table fits the asset page at 1280 px: one position column, the pointer
+    last and relative to the job directory (``chk-<id>``) or the savepoint directory
+    (``savepoint-…``); the observation says first that it is a retention tick."""
+    prepared = Prepared(tmp_path)
+    sensor = retention_sensor(POLICY)
+    with dg.instance_for_test() as instance:
+        record_lineage(instance, prepared)
+        result = evaluate(sensor, instance, prepared.resource)
+    (observation,) = result.asset_events
+    table = observation.metadata["retained"]
+    columns = [c.name for c in table.schema.columns]
+    assert ["id", "kind", "position", "size", "files", "age", "pointer"] == columns
+    shown = [r.data["pointer"] for r in table.records]
+    assert ["chk-4", "chk-5"] == shown[:2]
+    names = [p.rsplit("/", 1)[-1] for p in (*prepared.hand_made[:1], *prepared.scheduled[0:1])]
+    assert names == shown[2:4]
+    assert all(p.startswith("savepoint-") for p in shown[2:]), shown
+    # The schema names the directories, for the full pointers.
+    (described,) = [c.description for c in table.schema.columns if c.name == "pointer"]
+    job_directory = prepared.chk[4].rsplit("/", 1)[0]
+    assert f"{job_directory}, {tmp_path / 'savepoints' / 'scheduled'}, " in described
+    assert "retention tick" == observation.metadata["event"].value
+    assert "event" == next(iter(observation.metadata))
+    assert observation.description.startswith("Retention tick: ")
 
 
 def test_tick_after_a_new_savepoint_records_it_without_deleting(tmp_path):
@@ -277,6 +311,6 @@ def test_tick_after_a_new_savepoint_records_it_without_deleting(tmp_path):
         new = snapshot(access, 5, end_of(5), savepoint_dir=str(tmp_path / "savepoints"))
         second = evaluate(sensor, instance, prepared.resource, first.cursor)
     (observation,) = second.asset_events
-    assert "retained checkpoints and savepoints changed" == observation.description
+    assert "Retention tick: retained checkpoints and savepoints changed" == observation.description
     assert [] == observation.metadata["deleted_savepoints"].value
-    assert ("savepoint", 5, "2026-10-05", 2, True, new) == retained_rows(observation)[-1]
+    assert ("savepoint", 5, "2026-10-05 end", new) == retained_rows(observation, prepared)[-1]

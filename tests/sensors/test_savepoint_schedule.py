@@ -19,14 +19,14 @@ from sensors import (
     pipeline_definitions,
 )
 from tests.pipelines.support import click_pipeline
-from tests.sensors.conftest import (
+from tests.sensors.support import (
     materialize_range,
     pipeline_access,
     resources_for,
     storage_resource,
     unused_click_pipeline,
 )
-from tests.sensors.conftest import write_snapshot as snapshot
+from tests.sensors.support import write_snapshot as snapshot
 
 TICK = dt.datetime(2026, 10, 2, 3, 0, tzinfo=dt.UTC)
 TAKE_SAVEPOINT = "user_activity_take_savepoint"

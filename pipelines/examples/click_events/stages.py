@@ -1,4 +1,4 @@
-"""The click-events example's stages: plain PySpark functions ``(state, input) -> (new state,
+"""The click-events example's stages: plain PySpark functions ``(input, state) -> (new state,
 output)``, testable without Dagster or checkpoints.
 
 - ``dedupe``: state = the ids of events seen within ``DEDUPE_RETENTION`` of the watermark
@@ -83,7 +83,7 @@ DEDUPE_RETENTION = dt.timedelta(days=2)
 
 
 def dedupe(
-    state: DataFrame, events: DataFrame, retention: dt.timedelta = DEDUPE_RETENTION
+    events: DataFrame, state: DataFrame, retention: dt.timedelta = DEDUPE_RETENTION
 ) -> tuple[DataFrame, DataFrame]:
     events = events.dropDuplicates(["event_id"])
     newest = state.select(F.max("event_ts").alias("ts")).unionByName(
@@ -110,7 +110,7 @@ def dedupe(
     return new_state, output
 
 
-def user_activity(state: DataFrame, events: DataFrame) -> tuple[DataFrame, DataFrame]:
+def user_activity(events: DataFrame, state: DataFrame) -> tuple[DataFrame, DataFrame]:
     batch = events.groupBy("user_id").agg(
         F.count(F.lit(1)).alias("event_count"),
         F.sum("amount").cast(T.DecimalType(22, 2)).alias("amount_sum"),

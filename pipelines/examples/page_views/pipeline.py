@@ -60,7 +60,7 @@ PAGE_COUNT_SCHEMA = T.StructType(
 
 
 def sessions(
-    state: DataFrame, views: DataFrame, gap: dt.timedelta = SESSION_GAP
+    views: DataFrame, state: DataFrame, gap: dt.timedelta = SESSION_GAP
 ) -> tuple[DataFrame, DataFrame]:
     """Open sessions per user in, open sessions and the sessions that closed out: a view more
     than ``gap`` after the previous one starts a new session; a session whose last view is
@@ -104,7 +104,7 @@ def sessions(
     return still_open, closed
 
 
-def page_counts(state: DataFrame, views: DataFrame) -> tuple[DataFrame, DataFrame]:
+def page_counts(views: DataFrame, state: DataFrame) -> tuple[DataFrame, DataFrame]:
     """The running view count per page; output: this batch's counts."""
     batch = views.groupBy("page_id").agg(F.count(F.lit(1)).cast("long").alias("views"))
     new_state = (

@@ -1,6 +1,5 @@
-"""Fixtures and helpers for the schedule and sensor tests: the pipelines' session-scoped
-Spark, tmp-dir resources, and snapshots written with the library alone (no Spark) for tests
-that only need storage in a known shape."""
+"""Helpers for the schedule and sensor tests: tmp-dir resources, and snapshots written with
+the library alone (no Spark) for tests that only need storage in a known shape."""
 
 import os
 import time
@@ -17,7 +16,6 @@ from pipelines import SourcePosition, StatefulPipeline, job_id_for
 from pipelines.examples.click_events import NAME, click_events_pipeline
 from resources import CheckpointStorageResource
 from tests.pipelines import support
-from tests.pipelines.conftest import spark  # noqa: F401  (the session-scoped real Spark)
 from tests.support import finalize, payload, write_state
 
 SMALL_LANDING = {"batches_per_day": 2, "events_per_batch": 200, "users": 20, "seed": 3}

@@ -1,0 +1,286 @@
+"""A keyed stage's Spark jobs, driven from the driver: one batch (``apply_keyed_batch``), the
+materialisation of ranges, and reading the whole state; and the driver's bookkeeping of the
+chains (``extend_chains``, ``MaterialisationPolicy``) (docs/design.md, "Keyed state", 7.5).
+"""
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from functools import partial
+
+import pyarrow as pa
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+
+from pipelines._handles import StateHandleRef
+from pipelines.keyed._chain import (
+    KeyedStateChain,
+)
+from pipelines.keyed._executor import (
+    _decode_output,
+    _materialise_ranges,
+    _replay_ranges,
+    _run_partition,
+    _spark_arrow_schema,
+)
+from pipelines.keyed._routing import (
+    _ROUTE,
+    _ROUTING_FIELDS,
+    OPERATOR_INDEX,
+    _operator_indices,
+    _routes,
+)
+from pipelines.keyed._task import (
+    _CHANGE,
+    _EPOCH,
+    _HANDLE_KIND,
+    _NO_LOCAL_STORE,
+    _OUTPUT,
+    _RESULT_SCHEMA,
+    _SUMMARY,
+    KeyedRangeResult,
+    KeyedStageTask,
+)
+
+__all__ = [
+    "KeyedBatch",
+    "MaterialisationPolicy",
+    "apply_keyed_batch",
+    "extend_chains",
+    "materialise_keyed_state",
+    "ranges_to_materialise",
+    "read_keyed_state",
+    "rematerialise_from_local_stores",
+]
+
+
+@dataclass(frozen=True)
+class KeyedBatch:
+    """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
+    read from ``cached``), the ranges' results, the persisted pass both come from, the input
+    rows the batch had (late rows included) and their newest event time (a stage with
+    ``event_time``; None: no event time). Call ``release()`` once the output is consumed."""
+
+    output: DataFrame
+    ranges: list[KeyedRangeResult]
+    cached: DataFrame = field(repr=False)
+    input_rows: int = 0
+    newest: dt.datetime | None = None
+
+    @property
+    def output_rows(self) -> int:
+        return sum(r.output_rows for r in self.ranges)
+
+    def release(self) -> None:
+        self.cached.unpersist()
+
+
+def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None]:
+    """The batch's input rows and newest event time from the ranges' summary rows, which
+    must agree: each range's task received every routing task's summary."""
+    seen = {(row["input_rows"], row["newest"]) for row in rows if row["row_kind"] == _SUMMARY}
+    if len(seen) > 1:
+        raise RuntimeError(f"keyed stage {task.stage.name}: the ranges saw different input "
+                           f"(rows, newest event time: {sorted(seen, key=str)}): the batch "
+                           "changed between task attempts; the source must be replayable "
+                           "(read the same rows again when a task is retried)")
+    count, newest = seen.pop() if seen else (0, None)
+    return count, None if newest is None else _EPOCH + dt.timedelta(microseconds=newest)
+
+
+def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
+    options = task.storage.storage_options
+    results = {}
+    for row in rows:
+        row = row.asDict()
+        if row["row_kind"] == _SUMMARY:
+            continue
+        ref = {f.name: row[_HANDLE_KIND if f.name == "kind" else f.name]
+               for f in fields(StateHandleRef)}
+        index = row["operator_index"]
+        results[index] = KeyedRangeResult(
+            index, task.key_groups(index), StateHandleRef(**ref).handle(options),
+            row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
+            bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
+            row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0,
+            row["damage"], bool(row["private"]), row["lock_wait_seconds"] or 0.0)
+    return [results[i] for i in sorted(results)]
+
+
+def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
+    """Run one batch of a keyed stage: route rows to their range by key group, run the stage
+    once per range that has rows (after late rows are dropped; one Spark task per range),
+    write each range's change file; returns the output and one ``KeyedRangeResult`` per range
+    that ran.
+    A stage with ``event_time``: each range's task advances ``task.clock`` by the batch's
+    newest event time (the routing tasks send it along with the rows: no Spark job of its
+    own), drops rows behind the clock minus the ``ttl`` and, with event-time expiry, expires
+    state at it.
+    ``task.chains`` must be range ``i`` of ``task.parallelism`` each: after a change of
+    parallelism, ``materialise_keyed_state`` the new ranges first."""
+    if not task.is_aligned():
+        raise ValueError(f"keyed stage {task.stage.name}: the chains are not the ranges of "
+                         f"parallelism {task.parallelism} (rescaled?); materialise the new "
+                         "ranges with materialise_keyed_state first")
+    missing = [k for k in task.stage.key if k not in input.columns]
+    reserved = [f.name for f in _ROUTING_FIELDS]
+    if missing or set(reserved) & set(input.columns):
+        raise ValueError(f"keyed stage {task.stage.name}: the input needs the key column(s) "
+                         f"{list(task.stage.key)} and none of the columns {reserved} (they "
+                         f"route rows; rename them); it has {input.columns}")
+    event_time = task.stage.event_time
+    if event_time is not None and not isinstance(
+            input.schema[event_time].dataType if event_time in input.columns else None,
+            T.TimestampType):
+        raise ValueError(f"keyed stage {task.stage.name}: event_time column {event_time!r} "
+                         f"must be a TIMESTAMP column of its input (cast a date or "
+                         f"TIMESTAMP_NTZ column first); the input is "
+                         f"{input.schema.simpleString()}")
+    input_schema = to_arrow_schema(input.schema, timezone=input.sparkSession.conf.get(
+        "spark.sql.session.timeZone"))
+    # Here, before the batch's Spark job: a key of another type would fail in every range's
+    # task, or worse, be cast into another key.
+    task.stage.check_key_types(input_schema, "the input's")
+    routed_type = T.StructType([
+        *(T.StructField(f.name, f.dataType, True, f.metadata) for f in input.schema.fields),
+        *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])
+    routes = _routes(task.parallelism)
+    routed = input.mapInArrow(partial(_operator_indices, task, routes, input_schema),
+                              routed_type)
+    # One Spark task per range: repartition(n, column) is never coalesced by adaptive
+    # execution, and each range's route hashes to its own partition.
+    cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
+        partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
+    ).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
+    except BaseException:
+        cached.unpersist()
+        raise
+    target = _spark_arrow_schema(task.output_schema)
+    output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
+        partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
+    return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles))
+
+
+def extend_chains(chains: Sequence[KeyedStateChain],
+                  results: Sequence[KeyedRangeResult]) -> list[KeyedStateChain]:
+    """The chains after a batch: each range with a change file gets it appended, a
+    materialised range restarts from its snapshot; ranges without rows stay as they were."""
+    chains = list(chains)
+    for result in results:
+        chain = chains[result.operator_index]
+        if chain.key_groups != result.key_groups:
+            raise ValueError(f"range {result.operator_index}: result of key groups "
+                             f"{result.key_groups} for a chain of {chain.key_groups}")
+        chains[result.operator_index] = (
+            chain.appended(result.handle, result.state_rows, result.expired_rows)
+            if result.kind == _CHANGE
+            else KeyedStateChain(result.key_groups, result.handle, (), result.state_rows,
+                                 result.expired_rows))
+    return chains
+
+
+@dataclass(frozen=True)
+class MaterialisationPolicy:
+    """When a range's chain is replaced by a snapshot (Flink's periodic materialisation):
+    when the change files since its base outgrow ``ratio`` times the base (at least
+    ``min_bytes``, so that small states do not snapshot at every checkpoint), or after
+    ``every`` change files if set. The base is the chain's snapshot, or, for a chain that
+    started empty, its first change file (which then holds the whole range).
+
+    Bytes written per batch are then about the change files' times ``1 + 1/ratio``, whatever
+    the state's size; a restore without local stores replays at most ``1 + ratio`` times the
+    snapshot's bytes."""
+
+    every: int | None = None
+    ratio: float = 1.0
+    min_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if (self.every is not None and self.every < 1) or self.ratio <= 0 or self.min_bytes < 0:
+            raise ValueError(f"MaterialisationPolicy: every >= 1 (or None), ratio > 0 and "
+                             f"min_bytes >= 0, got {self}")
+
+    def due(self, chain: KeyedStateChain) -> bool:
+        if not chain.changes:
+            return False
+        if self.every is not None and len(chain.changes) >= self.every:
+            return True
+        if chain.materialisation is None:
+            base, since = chain.changes[0].state_size, chain.changes[1:]
+        else:
+            base, since = chain.materialisation.state_size, chain.changes
+        changed = sum(h.state_size for h in since)
+        return changed > self.ratio * max(base, self.min_bytes)
+
+
+def ranges_to_materialise(chains: Sequence[KeyedStateChain],
+                          policy: MaterialisationPolicy) -> list[int]:
+    """The operator indices whose chains the policy says to materialise now."""
+    return [i for i, chain in enumerate(chains) if policy.due(chain)]
+
+
+def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
+                          operator_indices: Sequence[int] | None) -> DataFrame | None:
+    """One row per operator index, one Spark partition each (None: no indices)."""
+    indices = list(range(task.parallelism)) if operator_indices is None else list(
+        operator_indices)
+    if not indices:
+        return None
+    for index in indices:
+        task.key_groups(index)  # checks the index
+    # One row per slice: one Spark task per range, no shuffle.
+    rows = spark.sparkContext.parallelize([(i,) for i in indices], len(indices))
+    return spark.createDataFrame(rows, f"{OPERATOR_INDEX} int")
+
+
+def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
+                            operator_indices: Sequence[int] | None = None, *,
+                            adopt: bool = True) -> list[KeyedRangeResult]:
+    """Write a snapshot of each range in ``operator_indices`` (all ranges if None) of
+    ``task.parallelism``, one Spark task per range, expired rows left out. With ``adopt``
+    (periodic materialisation) ``extend_chains`` with the results resets their chains, and the
+    local stores hold the new chains; with ``task.chains`` of another parallelism this is
+    rescaling: every new range is rebuilt from the chains it overlaps. Without ``adopt`` (a
+    savepoint's full snapshot, written into ``task.reference``'s location) the stores and
+    chains are untouched."""
+    frame = _operator_index_frame(spark, task, operator_indices)
+    if frame is None:
+        return []
+    rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt, False),
+                            from_arrow_schema(_RESULT_SCHEMA)).collect()
+    return _results(task, rows)
+
+
+def rematerialise_from_local_stores(spark: SparkSession, task: KeyedStageTask,
+                                    operator_indices: Sequence[int]
+                                    ) -> tuple[list[KeyedRangeResult], list[int]]:
+    """Write a snapshot of each range in ``operator_indices`` from its executor's local store,
+    only where that store holds exactly the range's shipped chain (its ``version``): for
+    chains with a corrupt or missing file, which must not be replayed. Returns the results
+    (``extend_chains`` with them starts the ranges' new chains) and the operator indices
+    whose task found no such store (nothing written for them)."""
+    frame = _operator_index_frame(spark, task, operator_indices)
+    if frame is None:
+        return [], []
+    rows = frame.mapInArrow(partial(_materialise_ranges, task, True, True),
+                            from_arrow_schema(_RESULT_SCHEMA)).collect()
+    missing = sorted({row["operator_index"] for row in rows if row["row_kind"] == _NO_LOCAL_STORE})
+    return _results(task, [r for r in rows if r["row_kind"] != _NO_LOCAL_STORE]), missing
+
+
+def read_keyed_state(spark: SparkSession, task: KeyedStageTask, *,
+                     include_expired: bool = False) -> DataFrame:
+    """The state of every range of ``task.parallelism`` as a DataFrame of the stage's state
+    schema, replayed from ``task.chains`` on the executors (one task per range). Rows expired
+    at ``task.now`` are left out, as a stage never sees them, unless ``include_expired`` (the
+    rows a checkpoint holds until the next materialisation drops them, which its recorded
+    row counts include)."""
+    frame = _operator_index_frame(spark, task, None)
+    target = _spark_arrow_schema(task.stage.state_schema)
+    return frame.mapInArrow(partial(_replay_ranges, task, include_expired),
+                            from_arrow_schema(target, prefer_timestamp_ntz=False))

@@ -1,0 +1,282 @@
+"""What runs on the executors for a keyed stage: the body of one range's task for a batch
+(bring the local store to the shipped chain, run the stage, write the change file), for a
+materialisation (write a snapshot of the range) and for a replay (read the range's state)
+(docs/design.md, "Keyed state", 7.5).
+"""
+
+import datetime as dt
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.ipc as ipc
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+
+from checkpoint_storage import CheckpointStorage, FileSystemCheckpointStorage
+from checkpoint_storage.spi import ByteStreamStateHandle, SubtaskKey, is_appended_segment
+from pipelines.keyed._chain import (
+    KeyedStateChain,
+    replay_chains,
+    write_change_file,
+    write_materialisation,
+)
+from pipelines.keyed._key_groups import (
+    KeyGroupRange,
+    hash_keys,
+)
+from pipelines.keyed._layout import KeyedStateLayout
+from pipelines.keyed._local_stores import (
+    _local_root,
+    _locked_store,
+    local_store_directory,
+    sweep_idle_stores,
+    sweep_other_ranges,
+)
+from pipelines.keyed._routing import (
+    _NEWEST,
+    _ROUTE,
+    _ROWS,
+    _SUMMARY_INDEX,
+    OPERATOR_INDEX,
+)
+from pipelines.keyed._stage import TtlTimeCharacteristic
+from pipelines.keyed._task import (
+    _CHANGE,
+    _EPOCH,
+    _MATERIALISATION,
+    _NO_LOCAL_STORE,
+    _OUTPUT,
+    _OUTPUT_ROWS_PER_PAYLOAD,
+    _RESULT_SCHEMA,
+    _SUMMARY,
+    KeyedStageTask,
+    _context,
+    _handle_row,
+    _micros,
+    _newer,
+    chain_version,
+)
+
+
+def _change_file_storage(storage: CheckpointStorage,
+                         chain: KeyedStateChain) -> CheckpointStorage:
+    """The storage a range's next change file is written through. An inline change file is
+    repeated in every ``_metadata`` until its chain is materialised, so the inline change
+    files of a chain share one inline threshold: past it, change files go to files."""
+    if not isinstance(storage, FileSystemCheckpointStorage):
+        return storage
+    inline = sum(h.state_size for h in chain.changes if isinstance(h, ByteStreamStateHandle))
+    return storage.with_file_state_size_threshold(
+        max(0, storage.file_state_size_threshold - inline))
+
+
+def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
+                 attempt: int) -> str:
+    """``<stage>-kg<start>-<end>-<kind><batch>-a<attempt>-``, the stage name shortened so
+    that the prefix fits the 64 characters a stream's name prefix may have."""
+    tail = f"-kg{key_groups.start}-{key_groups.end}-{kind}{task.batch}-a{attempt}-"
+    return task.stage.name[:64 - len(tail)] + tail
+
+
+def _run_partition(task: KeyedStageTask,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body after routing: the routing tasks' summaries and the rows of one
+    range (or none). Advances the clock by the batch's newest event time, drops rows behind
+    it minus the ``ttl``, runs the range if rows are left, and reports the batch as this
+    task saw it (a summary row): every range's task sees the same summaries."""
+    batches = [b for b in batches if b.num_rows]
+    if not batches:
+        return  # no routing task ran: the input had no partitions
+    table = pa.Table.from_batches(batches)
+    summary = pc.equal(table.column(OPERATOR_INDEX), _SUMMARY_INDEX)
+    summaries, table = table.filter(summary), table.filter(pc.invert(summary))
+    newest = pc.max(summaries.column(_NEWEST)).as_py()
+    partition, attempt = _context()
+    yield pa.RecordBatch.from_pylist([{
+        "row_kind": _SUMMARY, "operator_index": partition, "attempt": attempt,
+        "input_rows": pc.sum(summaries.column(_ROWS)).as_py(), "newest": newest}],
+        schema=_RESULT_SCHEMA)
+    stage = task.stage
+    if stage.event_time is not None:
+        clock = task.clock if newest is None else _newer(
+            task.clock, _EPOCH + dt.timedelta(microseconds=newest))
+        if stage.ttl is not None and clock is not None:
+            late = (stage.ttl.cutoff(clock) - _EPOCH) // dt.timedelta(microseconds=1)
+            table = table.filter(pc.greater_equal(_micros(table.column(stage.event_time)),
+                                                  late))
+            if stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
+                task = replace(task, now=clock)
+    if not table.num_rows:
+        return
+    if any(table.column(name).null_count for name in stage.key):
+        hash_keys(table.select(list(stage.key)), stage.key)  # says: keys must not be null
+    indices = pc.unique(table.column(OPERATOR_INDEX))
+    if len(indices) != 1:
+        raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
+                           f"{indices.to_pylist()} reached one task; routing is broken")
+    yield from _run_range(task, (indices[0],),
+                          table.drop_columns([_ROUTE, _ROWS, _NEWEST])).to_batches()
+
+
+def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table:
+    """The work of one range and batch: bring the local store to the shipped
+    chain, run the stage, write the change file, apply the changes to the store; return the
+    output rows (IPC payloads) and one handle row."""
+    operator_index = group_key[0].as_py()
+    key_groups = task.key_groups(operator_index)
+    layout, stage = task.layout, task.stage
+    _, attempt = _context()
+    stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
+             "private": False, "lock_wait_seconds": 0.0, "input_rows": table.num_rows}
+    table = table.drop_columns([OPERATOR_INDEX])
+    directory = local_store_directory(task, key_groups)
+    cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
+    sweep_other_ranges(task)
+    if task.local_max_age is not None:
+        sweep_idle_stores(_local_root(task), task.local_max_age, keep=directory)
+    with _locked_store(task, key_groups, directory, stats) as store:
+        state = store.get(table.select(list(stage.key)), cutoff=cutoff)
+        if layout.processing_time_ttl:
+            state = state.drop_columns(["_written_at"])
+        result = stage.run(table, state)
+        upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
+        (chain,) = task.sources(key_groups)
+        access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
+            task.job_id)
+        # file merging across checkpoints: this range's change files go, one after the
+        # other, into the physical file of its last appended one (checkpoint_storage's
+        # _appending.py); None: a new chain, or the chain of another parallelism
+        previous = next((h for h in reversed(chain.changes) if is_appended_segment(h)),
+                        None) if chain.key_groups == key_groups else None
+        access = access.to_appending_storage(
+            SubtaskKey(access.job_id.hex, stage.name, operator_index, task.parallelism),
+            previous)
+        factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                             task.reference)
+        change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
+                                   _file_prefix(task, key_groups, "b", attempt))
+        store.apply(upserts, result.deletes,
+                    version=chain_version(key_groups, [chain.appended(change)]))
+        stats["state_rows"] = store.num_rows
+        # at this batch's cutoff, while the store is open: one vectorised comparison
+        stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
+    if task.after_write is not None:
+        task.after_write(operator_index, attempt)
+    output = _conform_output(result.output, task)
+    stats["output_rows"] = output.num_rows
+    rows = [_handle_row(_CHANGE, operator_index, attempt, change,
+                        upserts.num_rows + result.deletes.num_rows, stats)]
+    for batch in output.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
+        sink = pa.BufferOutputStream()
+        with ipc.new_stream(sink, output.schema) as writer:
+            writer.write_batch(batch)
+        rows.append({"row_kind": _OUTPUT, "operator_index": operator_index,
+                     "attempt": attempt, "payload": sink.getvalue().to_pybytes()})
+    return pa.Table.from_pylist(rows, schema=_RESULT_SCHEMA)
+
+
+def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as Spark hands it back (timestamps in UTC), so decoded rows fit exactly."""
+    return to_arrow_schema(from_arrow_schema(schema, prefer_timestamp_ntz=False),
+                           timezone="UTC")
+
+
+def _conform_output(output: pa.Table, task: KeyedStageTask) -> pa.Table:
+    target = _spark_arrow_schema(task.output_schema)
+    missing = [n for n in target.names if n not in output.column_names]
+    if missing:
+        raise ValueError(f"keyed stage {task.stage.name}: output lacks column(s) {missing}; "
+                         f"the task's output_schema is {task.output_schema.names}")
+    try:
+        return output.select(target.names).cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+        raise ValueError(f"keyed stage {task.stage.name}: output does not fit the output "
+                         f"schema {task.output_schema}: {exc}") from exc
+
+
+def _decode_output(schema: pa.Schema,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: the output rows of the payloads."""
+    for batch in batches:
+        for payload in batch.column("payload").to_pylist():
+            for rows in ipc.open_stream(pa.py_buffer(payload)):
+                yield rows if rows.schema == schema else rows.cast(schema)
+
+
+# --- on the driver --------------------------------------------------------------------------
+
+
+def _unexpired(batches: Iterator[pa.RecordBatch], layout: KeyedStateLayout,
+               cutoff: dt.datetime | None, counted: list[int]) -> Iterator[pa.RecordBatch]:
+    """``batches`` without the rows expired at ``cutoff`` (None: all), counting the rows."""
+    for batch in batches:
+        if cutoff is not None:
+            batch = layout.ttl.live(batch, cutoff)
+        counted[0] += batch.num_rows
+        yield batch
+
+
+def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
+                        batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: for each operator index, bring the local store to the shipped
+    chains (rebuilding it from them, e.g. another parallelism's) and write a sorted snapshot
+    without expired rows. ``adopt``: the snapshot starts the range's new chain, so the store
+    drops the expired rows and is marked as holding it; otherwise (a savepoint) the store is
+    left as it is. ``local_only``: only from a local store that holds the chains already (a
+    range without one is reported in a ``_NO_LOCAL_STORE`` row, nothing written)."""
+    _, attempt = _context()
+    layout = task.layout
+    cutoff = None if layout.ttl is None else layout.ttl.cutoff(task.now)
+    for batch in batches:
+        for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
+            key_groups = task.key_groups(operator_index)
+            directory = local_store_directory(task, key_groups)
+            stats = {"rebuilt": False, "rebuild_rows": 0, "rebuild_seconds": 0.0,
+                     "private": False, "lock_wait_seconds": 0.0, "input_rows": 0}
+            with _locked_store(task, key_groups, directory, stats,
+                               local_only=local_only) as store:
+                if store is None:
+                    yield pa.RecordBatch.from_pylist([{
+                        "row_kind": _NO_LOCAL_STORE, "operator_index": operator_index,
+                        "attempt": attempt}], schema=_RESULT_SCHEMA)
+                    continue
+                if adopt and cutoff is not None:
+                    store.drop_expired(cutoff)
+                access = task.storage.create_checkpoint_storage(task.job_id)
+                factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
+                                                                     task.reference)
+                written = [0]
+                handle = write_materialisation(
+                    factory, layout, key_groups,
+                    _unexpired(store.sorted_batches(), layout, cutoff, written),
+                    _file_prefix(task, key_groups, "m", attempt))
+                if adopt:
+                    store.apply(layout.stored_schema.empty_table(),
+                                layout.key_schema.empty_table(),
+                                version=chain_version(key_groups,
+                                                      [KeyedStateChain(key_groups, handle)]))
+            if task.after_write is not None:
+                task.after_write(operator_index, attempt)
+            stats["state_rows"] = written[0]
+            stats["expired_rows"] = 0  # the snapshot leaves expired rows out
+            row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, written[0],
+                              stats)
+            yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)
+
+
+def _replay_ranges(task: KeyedStageTask, include_expired: bool,
+                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: each operator index's state rows (the state schema's columns),
+    replayed from the shipped chains; the local stores are not touched."""
+    layout = task.layout
+    target = _spark_arrow_schema(task.stage.state_schema)
+    cutoff = None if layout.ttl is None or include_expired else layout.ttl.cutoff(task.now)
+    for batch in batches:
+        for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
+            key_groups = task.key_groups(operator_index)
+            state = replay_chains(task.sources(key_groups), layout, key_groups)
+            if cutoff is not None:
+                state = layout.ttl.live(state, cutoff)
+            state = state.select(target.names).cast(target)
+            yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)

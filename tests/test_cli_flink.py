@@ -5,11 +5,13 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from tests.test_cli import run
+from checkpoint_storage import cli
 
 SAMPLES = Path(os.environ.get("FLINK_SAMPLES", "/work/shared/flink-samples"))
 pytestmark = pytest.mark.skipif(not (SAMPLES / "scratch").is_dir(), reason="no Flink samples")
@@ -17,6 +19,22 @@ pytestmark = pytest.mark.skipif(not (SAMPLES / "scratch").is_dir(), reason="no F
 RESTORED = "858c4eba9ab0bd13ae80f7b855214a38"
 ORIGINAL = "f722d28ed64854daeb21648a701176a8"
 LONG_AGO = time.time() - 7 * 86400
+
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(*args) -> Ran:
+    """The built-in ``checkpoints`` command, in-process, without CHECKPOINTS_* variables."""
+    env = {k: None for k in os.environ if k.startswith("CHECKPOINTS_")}
+    result = CliRunner().invoke(cli.build_app(plugins=False), [str(a) for a in args], env=env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Ran(result.exit_code, result.stdout, result.stderr)
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from tests.acceptance.dagster_process import (
     stop_process_group,
     wait_for,
 )
-from tests.acceptance.test_e2e_dagster import state_frames, tags_of
+from tests.acceptance.support import state_frames, tags_of
 
 LAUNCH_FAILED = "Caught an unrecoverable error while dequeuing the run"
 RUN_TIMEOUT = 900  # generous: the six pipelines share two cores, and the machine may be shared

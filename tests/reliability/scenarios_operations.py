@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pipelines import SourcePosition, StatefulRunner
 from resources import build_spark_session
-from tests.pipelines.test_rewind import (
+from tests.pipelines.hourly import (
     collect,
     expected,
     hour,

@@ -9,8 +9,9 @@ find, verify, copy and delete checkpoints and savepoints, collect garbage, read 
 inspect or break the job lease, and the errors to catch (the whole tree is in
 ``checkpoint_storage.exceptions``). What code that writes checkpoints through the library uses
 (access views, locations, streams, state handles, the `_metadata` model, stores, file merging)
-is documented in ``checkpoint_storage.spi``. Those names, and every exception, stay importable
-from this package too, so that existing code keeps working.
+is documented in ``checkpoint_storage.spi``; Apache Flink's checkpoints are read by
+``checkpoint_storage.flink``. Those names, and every exception, stay importable from this
+package too, so that existing code keeps working.
 """
 
 from checkpoint_storage import exceptions, spi
@@ -86,10 +87,26 @@ __all__ = [
     "JobLeaseLostError",
 ]
 
+# The Flink reader's names, exported here before checkpoint_storage.flink existed: written out
+# (tests/test_api.py checks them against its __all__) so that importing this package does not
+# load the reader.
+_FLINK_NAMES = (
+    "SUPPORTED_FLINK_VERSIONS", "FlinkCheckpointMetadata", "FlinkCheckpointProperties",
+    "FlinkFileReference", "FlinkKeyedStateHandle", "FlinkMasterState", "FlinkOperatorState",
+    "FlinkOperatorStateHandle", "FlinkStreamHandle", "FlinkSubtaskState", "is_flink_metadata",
+    "parse_flink_metadata", "parse_remap", "remap_path", "FlinkFileProblem",
+    "FlinkVerificationReport", "file_size", "is_flink_checkpoint", "read_flink_checkpoint",
+    "verify_flink_checkpoint", "ExternalReference", "OrphanDeletion", "OrphanFile",
+    "OrphanReport", "RetainedCheckpoint", "UnreadableCheckpoint", "delete_orphans",
+    "find_orphans", "FlinkStateRow", "FlinkStateRows", "read_heap_value_rows",
+)  # fmt: skip
+
 # Names outside __all__ that code written before checkpoint_storage.spi existed imports from
-# here (docs/design.md names them so): every extension point and every exception.
+# here (docs/design.md names them so): every extension point, every exception and the Flink
+# reader's names.
 _ELSEWHERE = {
     **dict.fromkeys(spi.__all__, "checkpoint_storage.spi"),
+    **dict.fromkeys(_FLINK_NAMES, "checkpoint_storage.flink"),
     **dict.fromkeys(exceptions.__all__, "checkpoint_storage.exceptions"),
 }
 

@@ -9,6 +9,9 @@ The tree::
     │   ├── ForeignCheckpointError          `_metadata` in a format this library cannot read:
     │   │                                   Apache Flink's (magic 0x4960672d), an unknown one, or
     │   │                                   a newer version of this library's; never deleted
+    │   ├── FlinkMetadataError              Apache Flink's `_metadata` is truncated, corrupt,
+    │   │                                   of an unsupported version or uses a feature the
+    │   │                                   Flink reader does not support (names the offset)
     │   ├── CheckpointIdMismatchError       `_metadata` of checkpoint m in a directory chk-n
     │   │                                   (n != m): a copied or renamed directory; never deleted
     │   └── StateIntegrityError             a state file's size or checksum differs from its handle
@@ -32,6 +35,9 @@ The tree::
     │                                       reading it back could not tell: inspect before retrying
     ├── StateSizeExceededError (OSError)    a state is larger than the memory storage allows
     ├── StreamClosedError (OSError)         the stream was already closed or committed
+    ├── OrphanDeletionRefusedError          deleting a job directory's orphans was refused
+    │                                       (no confirmation, an unreadable _metadata, the
+    │                                       retained checkpoints changed): nothing deleted
     └── JobLeaseError                       the job lease (one coordinator per job directory)
         ├── JobLeaseHeldError               another coordinator holds the job's lease (names
         │                                   the holder, its epoch and when it expires)
@@ -49,11 +55,13 @@ __all__ = [
     "CheckpointStorageError",
     "CheckpointIdMismatchError",
     "CommitStateUnknownError",
+    "FlinkMetadataError",
     "ForeignCheckpointError",
     "InvalidCheckpointError",
     "JobLeaseError",
     "JobLeaseHeldError",
     "JobLeaseLostError",
+    "OrphanDeletionRefusedError",
     "StateIntegrityError",
     "StateSizeExceededError",
     "StorageConfigurationError",
@@ -89,6 +97,21 @@ class ForeignCheckpointError(InvalidCheckpointError):
     ) -> None:
         super().__init__(message)
         self.format_name = format_name
+        self.format_version = format_version
+
+
+class FlinkMetadataError(InvalidCheckpointError):
+    """Apache Flink's `_metadata` cannot be read: truncated, corrupt, of a format version the
+    reader does not know, or using a feature it does not support (changelog handles, channel
+    state of unaligned checkpoints). ``offset`` is the byte the reader stopped at,
+    ``format_version`` the version the header names when the version is the reason. What
+    cannot be read is reported and kept, never deleted."""
+
+    def __init__(
+        self, message: str, *, offset: int | None = None, format_version: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.offset = offset
         self.format_version = format_version
 
 
@@ -133,6 +156,12 @@ class StateSizeExceededError(CheckpointStorageError, OSError):
 
 class StreamClosedError(CheckpointStorageError, OSError):
     """The stream was closed or already returned its handle."""
+
+
+class OrphanDeletionRefusedError(CheckpointStorageError):
+    """Deleting the orphans of a job directory was refused before anything was deleted:
+    no explicit confirmation, a `_metadata` that cannot be read, or retained checkpoints
+    that changed since the listing. The message says which and what to do."""
 
 
 class StorageConfigurationError(CheckpointStorageError, ValueError):

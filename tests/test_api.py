@@ -92,7 +92,9 @@ PUBLIC = {
     },
 }
 
-DOCUMENTED = [*PUBLIC, "checkpoint_storage.spi", "checkpoint_storage.exceptions"]
+DOCUMENTED = [
+    *PUBLIC, "checkpoint_storage.spi", "checkpoint_storage.exceptions", "checkpoint_storage.flink",
+]
 
 # docs/design.md §3.1 maps Flink's names to these: code written against it imports them from
 # the package, whichever surface documents them now.
@@ -162,17 +164,21 @@ def test_the_spi_module_holds_the_extension_points_and_none_of_the_users_names()
 
 
 def test_names_outside_all_stay_importable_from_their_package():
-    """Existing code keeps working: docs/design.md's Flink names, every extension point and
-    every exception import from ``checkpoint_storage``, as the same objects as from their
-    documented module; every name a package exported before imports from it still."""
+    """Existing code keeps working: docs/design.md's Flink names, every extension point,
+    every exception and the Flink reader's names import from ``checkpoint_storage``, as the
+    same objects as from their documented module; every name a package exported before
+    imports from it still."""
     import checkpoint_storage
-    from checkpoint_storage import exceptions, spi
+    from checkpoint_storage import exceptions, flink, spi
 
     for name in [*FLINK_NAMES, *spi.__all__]:
         assert getattr(spi, name, None) is getattr(checkpoint_storage, name) or name in (
             checkpoint_storage.__all__), name
     for name in exceptions.__all__:
         assert getattr(exceptions, name) is getattr(checkpoint_storage, name)
+    for name in flink.__all__:  # exported by the package before checkpoint_storage.flink
+        assert getattr(flink, name) is getattr(checkpoint_storage, name), name
+    assert sorted(flink.__all__) == sorted(checkpoint_storage._FLINK_NAMES)
     for package in ("pipelines", "pipelines.keyed", "sensors"):
         imported = importlib.import_module(package)
         kept = imported._ELSEWHERE
@@ -230,7 +236,8 @@ def _variable_docstrings(package: str) -> set[str]:
 @pytest.mark.timeout(300)
 def test_the_api_reference_documents_the_narrowed_surfaces(tmp_path):
     """scripts/api-docs documents each package's ``__all__`` and nothing beside it, and the
-    extension points on a page of their own (checkpoint_storage/spi.html)."""
+    extension points and the Flink reader on pages of their own (checkpoint_storage/spi.html,
+    checkpoint_storage/flink.html)."""
     subprocess.run([str(ROOT / "scripts" / "api-docs"), str(tmp_path)], cwd=ROOT, check=True,
                    capture_output=True, timeout=280)
 
@@ -238,9 +245,10 @@ def test_the_api_reference_documents_the_narrowed_surfaces(tmp_path):
         text = (tmp_path / page).read_text()
         return set(re.findall(r'<section id="([A-Za-z_][A-Za-z0-9_]*)">', text))
 
-    from checkpoint_storage import spi
+    from checkpoint_storage import flink, spi
 
     assert PUBLIC["checkpoint_storage"] == documented("checkpoint_storage.html")
     assert set(spi.__all__) == documented("checkpoint_storage/spi.html")
+    assert set(flink.__all__) == documented("checkpoint_storage/flink.html")
     assert PUBLIC["pipelines.keyed"] == documented("pipelines/keyed.html")
     assert PUBLIC["sensors"] == documented("sensors.html")

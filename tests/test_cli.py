@@ -749,8 +749,9 @@ def test_gc_of_a_flink_job_directory_deletes_nothing_names_each_file_and_exits_4
 
 
 def test_inspect_and_list_name_flinks_metadata(tmp_path):
-    """`inspect` of Flink's `_metadata` exits 4 saying who wrote it; `list` shows its rows as
-    Flink's (kind flink, status foreign), exit 0."""
+    """`inspect` of Flink's `_metadata` whose body is not Flink's layout exits 4 saying so;
+    `list` shows its rows as Flink's (format Apache Flink, status invalid), exit 0. (Real
+    Flink checkpoints: tests/test_cli_flink.py.)"""
     job, _ = flink_job(tmp_path)
 
     inspect = run("inspect", job / "chk-5" / "_metadata")
@@ -758,12 +759,11 @@ def test_inspect_and_list_name_flinks_metadata(tmp_path):
 
     assert 4 == inspect.returncode
     assert (
-        f"checkpoints: error: {job}/chk-5/_metadata was written by Apache Flink (metadata "
-        "format version 6); this library cannot read it"
+        f"checkpoints: error: {job}/chk-5/_metadata: not a valid Apache Flink _metadata at byte"
     ) in error_line(inspect)
     assert 0 == listing.returncode
-    assert [(i, "flink", "foreign") for i in (3, 5, 6)] == [
-        (e["checkpoint_id"], e["kind"], e["status"]) for e in json.loads(listing.stdout)
+    assert [(i, "Apache Flink", "invalid") for i in (3, 5, 6)] == [
+        (e["checkpoint_id"], e["format"], e["status"]) for e in json.loads(listing.stdout)
     ]
 
 

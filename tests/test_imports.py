@@ -34,6 +34,20 @@ def test_checkpoint_storage_imports_neither_dagster_nor_pyspark():
     assert [] == [m for m in modules if m.split(".")[0].startswith(("dagster", "pyspark"))]
 
 
+def test_the_package_and_the_cli_load_the_flink_reader_only_when_asked():
+    """Importing checkpoint_storage and its CLI (what ``checkpoints --help`` and ``list``
+    start with) loads no module of the Flink reader; asking the package for one of its names
+    does."""
+    modules = _modules_after_import("checkpoint_storage.cli")
+    asked = _modules_after_import("checkpoint_storage; checkpoint_storage.find_orphans")
+
+    assert "checkpoint_storage.cli.flink" in modules
+    flink_reader = ("checkpoint_storage.flink", "checkpoint_storage._flink")
+    reader = [m for m in modules if m.startswith(flink_reader)]
+    assert [] == reader
+    assert {"checkpoint_storage.flink", "checkpoint_storage._flink_orphans"} <= set(asked)
+
+
 def test_executors_importing_pipelines_load_no_dagster():
     """What a Spark Python worker imports to run a keyed stage (the ``pipelines`` package)
     loads no dagster module: workers start without its second of imports."""

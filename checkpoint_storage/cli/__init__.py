@@ -3,7 +3,8 @@
 The manual (commands, arguments, output, exit codes, plugins) is docs/cli.md. This package
 is the ``checkpoints`` app (``app``: the root command, ``COMMAND_GROUPS`` and plugin loading),
 one module per command group (``listing``: list, latest; ``inspecting``: inspect, verify;
-``tidying``: gc, dispose-savepoint, copy-savepoint; ``lease``: lease show, lease break) and
+``tidying``: gc, dispose-savepoint, copy-savepoint; ``lease``: lease show, lease break;
+``flink``: orphans, read-flink, and Apache Flink's directories in list, inspect, verify) and
 the helpers they and plugins are built on (``helpers``). Every name below is importable from
 here; that is the plugin API.
 """

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 import typer
 from typer.core import TyperGroup
 
-from checkpoint_storage.cli import inspecting, lease, listing, tidying
+from checkpoint_storage.cli import flink, inspecting, lease, listing, tidying
 from checkpoint_storage.cli.helpers import (
     EPILOG,
     EXIT_ERROR,
@@ -52,7 +52,7 @@ PLUGIN_GROUP = "checkpoint_storage.cli"
 DECLARATION = "CHECKPOINTS_COMMANDS"
 """The name of a lazy plugin's declaration of its commands (see the module docstring)."""
 
-COMMAND_GROUPS = (listing, inspecting, tidying, lease)
+COMMAND_GROUPS = (listing, inspecting, tidying, lease, flink)
 """The built-in command groups, in the order ``--help`` lists them."""
 
 

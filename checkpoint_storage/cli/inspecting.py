@@ -13,6 +13,13 @@ from checkpoint_storage import (
     resolve_checkpoint_pointer,
     verify_checkpoint,
 )
+from checkpoint_storage.cli.flink import (
+    RemapOption,
+    flink_inspect,
+    flink_verify,
+    is_flink_pointer,
+    remap_pairs,
+)
 from checkpoint_storage.cli.helpers import (
     EPILOG,
     EXIT_OK,
@@ -60,7 +67,9 @@ def _master_state_lines(state: dict) -> list[str]:
     return [f"{head}: {value}"]
 
 
-def _inspect(pointer_arg: str, as_json: bool, options: dict) -> int:
+def _inspect(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
+    if is_flink_pointer(location(pointer_arg), options):
+        return flink_inspect(location(pointer_arg), as_json, options, remap)
     completed = resolve_checkpoint_pointer(location(pointer_arg), options)
     metadata = completed.load_metadata()
     doc = metadata_as_json(metadata, completed.external_pointer)
@@ -194,7 +203,9 @@ def _below(path: str, directory: str) -> str:
     return path[len(prefix) :] if path.startswith(prefix) else path
 
 
-def _verify(pointer_arg: str, as_json: bool, options: dict) -> int:
+def _verify(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
+    if is_flink_pointer(location(pointer_arg), options):
+        return flink_verify(location(pointer_arg), as_json, options, remap)
     completed = resolve_checkpoint_pointer(location(pointer_arg), options)
     with progress("verifying") as update:
         report = verify_checkpoint(completed, progress=update)
@@ -238,7 +249,10 @@ def _verify(pointer_arg: str, as_json: bool, options: dict) -> int:
 
 
 def inspect_command(
-    pointer: PointerArgument, json_output: JsonOption = False, storage_option: StorageOption = None
+    pointer: PointerArgument,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+    remap: RemapOption = None,
 ) -> None:
     """The metadata of a checkpoint or savepoint.
 
@@ -247,18 +261,40 @@ def inspect_command(
     schemas as their fields, text; anything else as base64), operators, subtasks and state
     handles (type, path or inline size, size, CRC-32). JSON: master_states is a list of
     name, size, encoding (json / arrow-schema / text / base64), value and base64.
+
+    An Apache Flink checkpoint or savepoint (docs/storage-flink.md) is shown as Flink wrote
+    it: format version, properties, operators (name, uid, parallelism), subtasks' handles
+    with their key groups, files and sizes, and the referenced files that are missing;
+    --remap OLD=NEW reads paths Flink wrote on another machine.
     """
-    run_command(lambda: _inspect(pointer, json_output, storage_options(storage_option)))
+    run_command(
+        lambda: _inspect(
+            pointer, json_output, storage_options(storage_option), remap_pairs(remap)
+        )
+    )
 
 
 def verify_command(
-    pointer: PointerArgument, json_output: JsonOption = False, storage_option: StorageOption = None
+    pointer: PointerArgument,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+    remap: RemapOption = None,
 ) -> None:
     """Read every state file and check sizes and checksums.
 
     Reads every state file POINTER references and checks its size and CRC-32. Exits 1 naming
     each missing, corrupt or unreadable file; 4 if _metadata itself is invalid. JSON keys:
     pointer, checkpoint_id, ok, handles_checked, bytes_read, problems (path, kind, reason).
+
+    For an Apache Flink checkpoint or savepoint (docs/storage-flink.md): every file its
+    handles reference exists and is at least as large as their offsets and sizes need
+    (Flink's handles carry no checksum); --remap OLD=NEW reads paths Flink wrote on another
+    machine. JSON keys: pointer, format, checkpoint_id, ok, files_checked, bytes_in_files,
+    inline_bytes, problems.
     """
-    run_command(lambda: _verify(pointer, json_output, storage_options(storage_option)))
+    run_command(
+        lambda: _verify(
+            pointer, json_output, storage_options(storage_option), remap_pairs(remap)
+        )
+    )
 

@@ -17,6 +17,7 @@ from checkpoint_storage import (
     latest_checkpoint,
     list_checkpoints_below,
 )
+from checkpoint_storage.cli.flink import RemapOption, flink_list, remap_pairs
 from checkpoint_storage.cli.helpers import (
     EPILOG,
     EXIT_NOT_FOUND,
@@ -125,10 +126,14 @@ def _relative_to(directory: str):
     return shown
 
 
-def _list(directory_arg: str, as_json: bool, options: dict, relative: bool = False) -> int:
+def _list(
+    directory_arg: str, as_json: bool, options: dict, relative: bool = False, remap=()
+) -> int:
     directory = location(directory_arg)
     infos = list_checkpoints_below(directory, storage_options=options)
     shown = _relative_to(directory) if relative else str
+    if infos and all(i.kind == "flink" for i in infos):  # only Apache Flink's: read them
+        return flink_list(infos, as_json, options, remap, shown)
     now = datetime.now(UTC)
     if as_json:
         print_json([_info_json(i, now, shown(i.pointer)) for i in infos])
@@ -237,6 +242,7 @@ def list_command(
     relative: RelativeOption = False,
     json_output: JsonOption = False,
     storage_option: StorageOption = None,
+    remap: RemapOption = None,
 ) -> None:
     """The checkpoints and savepoints of a job directory, or of every job below DIR.
 
@@ -251,10 +257,19 @@ def list_command(
     wrapped). --relative shows pointers relative to DIR. JSON: a list of objects with keys
     pointer, job_id, checkpoint_id, kind, status, reason, state_size, file_count, modified,
     age_seconds, job_name, source_position (the position's JSON object). A file as DIR is
-    a usage error (exit 2).
+    a usage error (exit 2). Apache Flink's directories (only Flink's checkpoints and
+    savepoints below DIR) are listed with each one's _metadata read (docs/storage-flink.md):
+    id, kind, type, operators, files, sizes; --remap OLD=NEW reads paths Flink wrote on
+    another machine.
     """
     run_command(
-        lambda: _list(directory, json_output, storage_options(storage_option), relative)
+        lambda: _list(
+            directory,
+            json_output,
+            storage_options(storage_option),
+            relative,
+            remap_pairs(remap),
+        )
     )
 
 

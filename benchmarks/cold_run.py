@@ -93,7 +93,10 @@ def child_cold(args) -> None:
     stamps = Stamps()
     stamps.wrap(SparkSession.Builder, "getOrCreate", "SparkSession")
     stamps.wrap(click_pipeline, "generate_day", "landing the day")
-    stamps.wrap(runner.StatefulRunner, "_restore", "restore")
+    # restore: finding, verifying and opening the checkpoint; a keyed stage's local stores
+    # are rebuilt by the first batch's tasks (in "batches")
+    stamps.wrap(runner.StatefulRunner, "_recover_store", "restore")
+    stamps.wrap(runner.StatefulRunner, "_starting_point", "restore")
     stamps.wrap(runner.StatefulRunner, "_apply_batch", "batches")
     stamps.wrap(runner.StatefulRunner, "checkpoint", "checkpoint write")
     stamps.wrap(runner, "store_checkpoint_metadata", "_metadata")

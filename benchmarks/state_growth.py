@@ -40,8 +40,8 @@ smallest to the largest S (batch wall ratio) is measured in extra runs.
     python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]
         [--changed N] [--ss-min-deltas 10] [--quick]
 
-``--quick``: a smoke run (20,000 keys, 50% changed, SS snapshot every 4 versions, growth from
-20,000 to 40,000 keys). The last line is ``targets: N/M met``.
+``--quick``: a smoke run (20,000 keys, 50% changed, 20 batches, SS snapshot every 4 versions,
+growth from 20,000 to 40,000 keys). The last line is ``targets: N/M met``.
 """
 
 import argparse
@@ -676,9 +676,10 @@ def main(argv=None) -> None:
         worker_recover(args, args.system, Path(args.data), Path(args.work))
         return
     if args.quick:
-        # half the keys per batch: the changes outgrow the policy's 1 MiB minimum base within
-        # the window, so that a materialisation (and a best point) is exercised
-        args.sizes, args.batches, args.changed, args.ss_min_deltas = "20000", 12, 0.5, 4
+        # half the keys per batch, 20 batches: each range's changes (~0.07 MiB a batch)
+        # outgrow the policy's 1 MiB minimum base within the window, so that a
+        # materialisation (and a best point) is exercised
+        args.sizes, args.batches, args.changed, args.ss_min_deltas = "20000", 20, 0.5, 4
         args.growth_changed, args.growth_batches = 2000, 3
     sizes = [int(s) for s in args.sizes.split(",")]
     growth_sizes = [20_000, 40_000] if args.quick else sizes

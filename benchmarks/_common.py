@@ -72,3 +72,68 @@ def tree_cpu_seconds() -> float | None:
         total += ticks.get(pid, 0)
         todo += children.get(pid, [])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, from /proc (empty where /proc is not available)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        children.setdefault(int(data[data.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def tree_memory(root: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes summed over ``root``'s process tree (the JVM, the Python daemon and
+    its forked workers). RSS counts pages the forked workers share once per process; PSS
+    splits them, so it is the fairer sum for a tree of forks."""
+    rss = pss = 0
+    for pid in _process_tree(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return rss, pss
+
+
+class PeakMemory:
+    """Samples ``tree_memory(pid)`` every ``interval`` seconds in a thread while ``active``;
+    ``rss`` and ``pss`` are the peaks seen."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        import threading
+
+        self.pid, self.interval = pid, interval
+        self.rss = self.pss = 0
+        self.active = True
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            if self.active:
+                rss, pss = tree_memory(self.pid)
+                self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()

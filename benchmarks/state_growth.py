@@ -1,47 +1,47 @@
-"""State growth: what a batch and a checkpoint cost as the state grows, against Spark Structured
-Streaming, the engine a user would pick instead for large keyed state.
+"""State growth: our keyed stage against Spark Structured Streaming with the RocksDB state store
+(changelog checkpointing), measured as the targets of issue 28 name them.
 
-Systems (each run in its own process, interleaved, on the same Parquet batches):
+Systems, each in its own process, interleaved, on the same Parquet batches, checkpoint on
+local disk, ``local[2]``:
 
-- ``ss-rocksdb``: Structured Streaming with the RocksDB state store and changelog checkpointing
-  (``spark.sql.streaming.stateStore.providerClass`` = RocksDB provider,
-  ``...rocksdb.changelogCheckpointing.enabled=true``), checkpoint on local disk;
-- ``ss-hdfs``: Structured Streaming with its default (HDFS-backed, in-memory) state store;
-- ``before``: our runner with a DataFrame stage, which snapshots the whole state each checkpoint;
-- ``ours``: our runner with a keyed stage (``KeyedStage``: local Arrow stores per key group
-  range, a change file per range and batch, periodic materialisation by the pipeline's default
-  ``MaterialisationPolicy(ratio=1.0, min_bytes=1 MiB)``), ``keyed_parallelism`` 2,
-  ``max_parallelism`` 128, checkpoint on local disk. Its recovery process starts without the
-  local stores (a new ``keyed_local_dir``) and rebuilds them from the checkpoint's chains, as
-  SS's recovery starts without its local RocksDB instances (they live in the stopped
-  SparkContext's temporary directory) and reloads them from its checkpoint.
+- ``ss-rocksdb``: Structured Streaming, ``RocksDBStateStoreProvider`` with changelog
+  checkpointing; a snapshot every ``--ss-min-deltas`` versions
+  (``spark.sql.streaming.stateStore.minDeltasForSnapshot``, Spark's default 10), uploaded by
+  the maintenance task every ``SS_MAINTENANCE_INTERVAL``;
+- ``ours``: ``StatefulRunner`` with the click events' keyed ``user_activity`` stage
+  (``keyed_parallelism`` 2, ``max_parallelism`` 128, the default ``MaterialisationPolicy``: a
+  range's chain is replaced by a snapshot once its change files outgrow its base).
 
-Workloads: ``aggregate`` (per-key count, sum and last time, update mode) and ``dedupe`` (drop
-events already seen within a two-day event-time window). Data: batch 0 holds S keys (the state
-to start from, not timed); every later batch changes 1% of S (``--changed`` fixes the number
-instead, for the growth measurement).
+Workload: the full per-key aggregate (count, decimal(22,2) sum, min and max event time),
+update mode. Batch 0 holds S keys (the initial state, not timed); every later batch changes
+1% of S (``--changed`` fixes the number). After the run each system's final state is read
+back (ours: ``pipelines.read_state``; SS: Spark's ``statestore`` data source) and compared
+with an independent recomputation in pyarrow.
 
-Per system and S it prints: bytes written per batch (all files that appear under the checkpoint
-directory after the initial state's checkpoint, snapshots and maintenance included, amortised
-over the timed batches; ours also by kind), bytes per batch in steady state (the target's
-measure: ours with its materialisations amortised by the policy's ratio; SS from the batch
-after its first snapshot, which uploads the whole store, to the end, which holds its next,
-incremental snapshot: RocksDB with changelog checkpointing snapshots every 10 versions, so
-the default 22 batches), batch wall and CPU
-seconds (best of the batches' medians over repetitions), and recovery: a new process restarting
-from the checkpoint and processing one more batch. For ours it also prints the median time
-per phase of a batch on the driver (functions of the runner's keyed path, timed in the worker)
-and, when a local copy of ``pipelines/keyed/_executor.py`` is instrumented to append one JSON
-line per range and batch to ``$PIPELINES_KEYED_TIMINGS`` (step seconds under keys ending in
-``_s``; not in the tree, as timing code does not belong in the task), the executor steps.
-With more than one S and ``--changed``, it checks ours' growth from the smallest to the
-largest S (<= 1.3x).
+Per system and S:
 
-    python benchmarks/state_growth.py [--keys 1000000,4000000,8000000] [--batches 22]
-        [--repeats 2] [--systems ss-rocksdb,ss-hdfs,before] [--quick]
+- bytes written per batch: MEASURED, the growth of the checkpoint directory's files listed
+  before and after each batch (snapshots, materialisations and SS's maintenance uploads
+  included), summed over the timed batches and divided by their number. The window must hold
+  a materialisation of every range of ours and a snapshot of every SS state partition (the
+  coverage line says whether it did; if not, the bytes target is MISSED: pass more
+  ``--batches``);
+- batch wall: median over the timed batches;
+- recovery: a new process restarting from a copy of the checkpoint as it was after batch b
+  and processing batch b+1, timed from process start (interpreter, imports, SparkSession,
+  restore, one batch) and from the runner's (query's) start, at the best point (the shortest
+  chain of change files after a snapshot) and the worst (the longest chain) of the window;
+- peak memory: RSS and PSS summed over the process tree (JVM, Python daemon and workers),
+  sampled every 0.2 s, over the run and the recoveries.
 
-``--quick``: 100,000 keys, 3 batches, one repetition, a smoke run. The last line is
-``targets: N/M met``.
+With more than one S, ours' growth at ``GROWTH_CHANGED`` changed keys per batch from the
+smallest to the largest S (batch wall ratio) is measured in extra runs.
+
+    python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]
+        [--changed N] [--ss-min-deltas 10] [--quick]
+
+``--quick``: a smoke run (20,000 keys, 50% changed, 20 batches, SS snapshot every 4 versions,
+growth from 20,000 to 40,000 keys). The last line is ``targets: N/M met``.
 """
 
 import argparse
@@ -54,151 +54,251 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import tree_cpu_seconds  # noqa: E402
+from _common import PeakMemory, tree_cpu_seconds  # noqa: E402
 
-SYSTEMS = ("ss-rocksdb", "ss-hdfs", "before", "ours")
-WORKLOADS = ("aggregate", "dedupe")
+SYSTEMS = ("ss-rocksdb", "ours")
 SHUFFLE_PARTITIONS = 4
-# spark.sql.streaming.stateStore.minDeltasForSnapshot, Spark's default: the RocksDB store's
-# snapshot interval in versions (batches), so steady state needs runs longer than twice it.
-SS_MIN_DELTAS_FOR_SNAPSHOT = 10
+SS_MAINTENANCE_INTERVAL = "2s"
 KEYED_PARALLELISM = 2  # key group ranges of our keyed stage: one per core of local[2]
-# The pipeline's default MaterialisationPolicy: a snapshot of a range when its change files
-# outgrow its base (the last snapshot, or the chain's first change file; at least 1 MiB).
-OURS_MATERIALISATION = {"every": None, "ratio": 1.0, "min_bytes": 1 << 20}
+GROWTH_CHANGED = 10_000
+GROWTH_BATCHES = 10
+STAGE = "user_activity"
 EVENT_SCHEMA = pa.schema(
     [
-        ("user_id", pa.string()),
         ("event_id", pa.string()),
-        ("amount", pa.int64()),
-        ("ts", pa.timestamp("us", tz="UTC")),
+        ("user_id", pa.string()),
+        ("event_ts", pa.timestamp("us", tz="UTC")),
+        ("amount", pa.decimal128(12, 2)),
     ]
 )
+STATE_NAMES = ["user_id", "event_count", "amount_sum", "first_seen", "last_seen"]
+SUM_TYPE = pa.decimal128(22, 2)
 START = np.datetime64("2026-10-01T00:00:00", "us")
+TARGETS = {"bytes/batch": 0.3, "batch wall": 0.7, "recovery (worst point)": 0.8,
+           "peak RSS": 1.0}  # fmt: skip
+GROWTH_TARGET = 1.3
+# A change file or a materialisation of one key group range, in our shared directory.
+OURS_STATE_FILE = re.compile(r"-kg(\d+)-(\d+)-([bm])\d+-a\d+-")
 
 
 # --- data ----------------------------------------------------------------------------------
 
 
+def _ids(prefix: str, numbers: np.ndarray) -> pa.Array:
+    padded = pc.utf8_lpad(pc.cast(pa.array(numbers), pa.string()), width=9, padding="0")
+    return pc.binary_join_element_wise(pa.scalar(prefix), padded, "")
+
+
+def _decimal_cents(cents: np.ndarray) -> pa.Array:
+    """Integer cents as decimal(12, 2), exactly: a decimal128 is the unscaled value as a
+    16-byte little-endian integer (the high word the sign's extension)."""
+    words = np.empty((len(cents), 2), np.int64)
+    words[:, 0], words[:, 1] = cents, np.where(cents < 0, -1, 0)
+    return pa.Array.from_buffers(EVENT_SCHEMA.field("amount").type, len(cents),
+                                 [None, pa.py_buffer(words.tobytes())])
+
+
 def write_batches(directory: Path, keys: int, batches: int, changed: int, seed: int = 7) -> None:
-    """Batch 0: one event per key (the initial state). Batches 1..n: ``changed`` keys drawn
-    at random, one new event each, a minute later per batch."""
+    """Batch 0: one event per key (the initial state). Batches 1..n+1 (the last one only for
+    recovery): ``changed`` keys drawn at random, one event each, in that batch's minute."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    for b in range(batches + 2):  # +1 initial, +1 for the recovery batch
+    for b in range(batches + 2):
         ids = np.arange(keys) if b == 0 else rng.choice(keys, size=changed, replace=False)
         count = len(ids)
+        ts = START + np.timedelta64(b * 60, "s") + rng.integers(0, 60_000_000, count).astype(
+            "timedelta64[us]")
+        cents = rng.integers(-50_000, 500_000, count)
         table = pa.table(
             {
-                "user_id": pa.array([f"u{i:09d}" for i in ids]),
-                "event_id": pa.array([f"e{b:05d}-{i:09d}" for i in ids]),
-                "amount": pa.array(rng.integers(1, 1000, size=count)),
-                "ts": pa.array(
-                    np.full(count, START + np.timedelta64(b * 60, "s")), EVENT_SCHEMA[3].type
-                ),
+                "event_id": _ids(f"e{b:05d}-", ids),
+                "user_id": _ids("u", ids),
+                "event_ts": pa.array(ts, EVENT_SCHEMA.field("event_ts").type),
+                "amount": _decimal_cents(cents),
             },
             schema=EVENT_SCHEMA,
         )
         pq.write_table(table, directory / f"batch-{b:05d}.parquet")
 
 
-# --- measuring the checkpoint directory -----------------------------------------------------
+def expected_state(data: Path, upto: int) -> pa.Table:
+    """The per-key aggregate over batches 0..upto, recomputed with pyarrow alone."""
+    events = pa.concat_tables(pq.read_table(data / f"batch-{b:05d}.parquet")
+                              for b in range(upto + 1))
+    events = events.set_column(3, "amount", events.column("amount").cast(SUM_TYPE))
+    state = events.group_by("user_id", use_threads=False).aggregate(
+        [([], "count_all"), ("amount", "sum"), ("event_ts", "min"), ("event_ts", "max")])
+    return _canonical(pa.table([state.column(n) for n in ("user_id", "count_all", "amount_sum",
+                                                          "event_ts_min", "event_ts_max")],
+                               names=STATE_NAMES))
 
 
-class WrittenBytes:
-    """Bytes of the files that appeared (or grew) under a directory since the last look: what
-    a system wrote to its checkpoint, including what its background maintenance uploaded."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.seen: dict[str, int] = {}
-        self.total = 0
-        self.increments: dict[str, int] | None = None  # per path, once set to {}
-
-    def start(self) -> None:
-        """Take the directory as it is now as the starting point: only what appears after
-        it counts (the initial state's checkpoint is not a batch's)."""
-        self.look()
-        self.total = 0
-        self.increments = {}
-
-    def look(self) -> int:
-        new = 0
-        for dirpath, _, files in os.walk(self.root):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                try:
-                    size = os.path.getsize(path)
-                except OSError:
-                    continue
-                if size > self.seen.get(path, 0):
-                    new += size - self.seen.get(path, 0)
-                    if self.increments is not None:
-                        self.increments[path] = (self.increments.get(path, 0) + size
-                                                 - self.seen.get(path, 0))
-                    self.seen[path] = size
-        self.total += new
-        return new
+def _canonical(table: pa.Table) -> pa.Table:
+    table = table.select(STATE_NAMES)
+    return table.cast(pa.schema([
+        ("user_id", pa.string()), ("event_count", pa.int64()), ("amount_sum", SUM_TYPE),
+        ("first_seen", EVENT_SCHEMA.field("event_ts").type),
+        ("last_seen", EVENT_SCHEMA.field("event_ts").type),
+    ])).sort_by("user_id")  # fmt: skip
 
 
-# --- workers (one process each) ---------------------------------------------------------------
+def compare_state(actual: pa.Table, expected: pa.Table) -> str:
+    actual = _canonical(actual)
+    if actual.equals(expected):
+        return f"equal to the recomputation ({expected.num_rows:,} keys)"
+    if actual.num_rows != expected.num_rows:
+        return f"DIFFERENT: {actual.num_rows:,} keys, recomputation {expected.num_rows:,}"
+    for name in STATE_NAMES:
+        same = pc.equal(actual.column(name), expected.column(name))
+        wrong = len(same) - pc.sum(pc.fill_null(same, False).cast(pa.int64())).as_py()
+        if wrong:
+            return f"DIFFERENT: {wrong:,} keys differ in {name}"
+    return "DIFFERENT"
 
 
-def _spark(system: str):
+# --- the checkpoint directory ---------------------------------------------------------------
+
+
+def listing(root: Path) -> dict[str, int]:
+    """Size of every file under ``root``, by path relative to it."""
+    sizes = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                sizes[os.path.relpath(path, root)] = os.path.getsize(path)
+            except OSError:
+                continue  # deleted meanwhile (retention, SS's maintenance)
+    return sizes
+
+
+def written_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Bytes that appeared (new files, or files that grew) between two listings."""
+    return {p: s - before.get(p, 0) for p, s in after.items() if s > before.get(p, 0)}
+
+
+def link_copy(source: Path, target: Path) -> None:
+    """The directory as it is now, by hard links (checkpoint files are immutable once
+    written; retention and maintenance delete the original links, not the copy's)."""
+    for dirpath, _, files in os.walk(source):
+        rel = os.path.relpath(dirpath, source)
+        os.makedirs(target / rel, exist_ok=True)
+        for name in files:
+            try:
+                os.link(os.path.join(dirpath, name), target / rel / name)
+            except FileNotFoundError:
+                continue
+
+
+class Chains:
+    """Per range (ours) or state partition (SS), how many change files a restore would
+    replay after the newest snapshot: the chain's length, tracked batch by batch."""
+
+    def __init__(self) -> None:
+        self.length: dict[str, int] = {}
+        self.snapshots: dict[str, int] = {}  # snapshots written in the timed window
+
+    def ours(self, new: dict[str, int]) -> None:
+        changes: dict[str, int] = {}
+        for path in new:
+            if (m := OURS_STATE_FILE.search(os.path.basename(path))) and "shared" in path:
+                key = f"kg{m[1]}-{m[2]}"
+                if m[3] == "m":
+                    self.length[key] = 0
+                    self.snapshots[key] = self.snapshots.get(key, 0) + 1
+                else:
+                    changes[key] = changes.get(key, 0) + 1
+        for key, n in changes.items():
+            self.length[key] = self.length.get(key, 0) + n
+            self.snapshots.setdefault(key, 0)
+
+    def ss(self, files: dict[str, int], new: dict[str, int], version: int) -> None:
+        """SS: ``state/<op>/<partition>/<version>.changelog`` and ``<version>.zip`` (a
+        snapshot, uploaded by maintenance some time after its version's commit)."""
+        latest: dict[str, int] = {}
+        for path in files:
+            parts = Path(path).parts
+            if len(parts) == 4 and parts[0] == "state" and parts[3].endswith(".zip"):
+                key = f"{parts[1]}/{parts[2]}"
+                latest[key] = max(latest.get(key, 0), int(parts[3].split(".")[0]))
+            elif len(parts) == 4 and parts[0] == "state" and parts[3].endswith(".changelog"):
+                latest.setdefault(f"{parts[1]}/{parts[2]}", 0)
+        for key, snap in latest.items():
+            self.length[key] = version - snap
+            self.snapshots.setdefault(key, 0)
+        for path in new:
+            parts = Path(path).parts
+            if len(parts) == 4 and parts[0] == "state" and parts[3].endswith(".zip"):
+                key = f"{parts[1]}/{parts[2]}"
+                self.snapshots[key] = self.snapshots.get(key, 0) + 1
+
+    def total(self) -> int:
+        return sum(self.length.values())
+
+
+def kind_of(system: str, path: str) -> str:
+    name = os.path.basename(path)
+    if system == "ours":
+        if name == "_metadata":
+            return "metadata"
+        if m := OURS_STATE_FILE.search(name):
+            return "materialisation" if m[3] == "m" else "change"
+        return "other"
+    if path.startswith("state") and (".zip" in name or f"{os.sep}SSTs{os.sep}" in path):
+        return "snapshot"
+    if path.startswith("state") and ".changelog" in name:
+        return "changelog"
+    return "other"
+
+
+# --- workers (one process each) -------------------------------------------------------------
+
+
+def _spark(app: str, ss_min_deltas: int):
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
-    builder = (
-        SparkSession.builder.master("local[2]")
-        .appName(f"state_growth-{system}")
+    return (
+        SparkSession.builder.master("local[2]").appName(app)
         .config("spark.sql.shuffle.partitions", str(SHUFFLE_PARTITIONS))
         .config("spark.ui.enabled", "false")
         .config("spark.driver.memory", "6g")
         .config("spark.sql.session.timeZone", "UTC")
-        # Maintenance (snapshot uploads, cleanup) every 5 s, so its bytes land inside the run.
-        .config("spark.sql.streaming.stateStore.maintenanceInterval", "5s")
-    )
-    if system == "ss-rocksdb":
-        builder = builder.config(
-            "spark.sql.streaming.stateStore.providerClass",
-            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
-        ).config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
+        .config("spark.sql.streaming.stateStore.providerClass",
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
+        .config("spark.sql.streaming.stateStore.minDeltasForSnapshot", str(ss_min_deltas))
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", SS_MAINTENANCE_INTERVAL)
+        .getOrCreate()
+    )  # fmt: skip
 
 
-def _ss_query(spark, workload: str, feed: Path, checkpoint: Path):
+def _ss_query(spark, feed: Path, checkpoint: Path):
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_schema
 
     events = (
         spark.readStream.schema(from_arrow_schema(EVENT_SCHEMA))
-        .option("maxFilesPerTrigger", 1)
-        .parquet(str(feed))
-    )
-    if workload == "aggregate":
-        result = events.groupBy("user_id").agg(
-            F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
-            F.max("ts").alias("last_seen"),
-        )  # fmt: skip
-        mode = "update"
-    else:
-        result = events.withWatermark("ts", "2 days").dropDuplicatesWithinWatermark(["event_id"])
-        mode = "append"
+        .option("maxFilesPerTrigger", 1).parquet(str(feed))
+    )  # fmt: skip
+    result = events.groupBy("user_id").agg(
+        F.count(F.lit(1)).alias("event_count"), F.sum("amount").alias("amount_sum"),
+        F.min("event_ts").alias("first_seen"), F.max("event_ts").alias("last_seen"),
+    )  # fmt: skip
     return (
-        result.writeStream.format("noop").outputMode(mode)
+        result.writeStream.format("noop").outputMode("update")
         .option("checkpointLocation", str(checkpoint)).start()
     )  # fmt: skip
 
@@ -210,386 +310,162 @@ def _feed(batch: Path, feed: Path) -> None:
     os.replace(tmp, feed / batch.name)
 
 
-def worker_ss(system: str, workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
-    feed, checkpoint = work / "feed", work / "checkpoint"
-    feed.mkdir(parents=True, exist_ok=True)
-    spark = _spark(system)
-    files = sorted(data.glob("batch-*.parquet"))
-    if phase == "run":
-        query = _ss_query(spark, workload, feed, checkpoint)
-        _feed(files[0], feed)
-        query.processAllAvailable()  # the initial state, not timed
-        written = WrittenBytes(checkpoint)
-        written.start()
-        walls, cpus, after = [], [], []
-        for batch in files[1 : batches + 1]:
-            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
-            _feed(batch, feed)
-            query.processAllAvailable()
-            walls.append(time.perf_counter() - t0)
-            cpus.append(tree_cpu_seconds() - cpu0)
-            written.look()
-            after.append(_ss_written(written))
-        time.sleep(12)  # two maintenance intervals: snapshot uploads count too
-        written.look()
-        after[-1] = _ss_written(written)
-        query.stop()
-        return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
-                "steady_bytes_per_batch": _ss_steady_bytes(after)}
-    # recovery: restart from the checkpoint and process one more batch
-    t0 = time.perf_counter()
-    query = _ss_query(spark, workload, feed, checkpoint)
-    _feed(files[batches + 1], feed)
-    query.processAllAvailable()
-    recovery = time.perf_counter() - t0
-    query.stop()
-    return {"recovery": recovery}
+def _ss_state(spark, checkpoint: Path) -> pa.Table:
+    """SS's final state through Spark's ``statestore`` data source: the aggregation buffer
+    per key (count; decimal sum and its isEmpty flag; min; max), in that order."""
+    frame = spark.read.format("statestore").load(str(checkpoint))
+    value = frame.schema["value"].dataType
+    fields = [f.name for f in value.fields if f.dataType.typeName() != "boolean"]
+    if len(fields) != 4:
+        raise ValueError(f"unexpected SS aggregation buffer {value.simpleString()}")
+    rows = frame.selectExpr("key.user_id AS user_id",
+                            *[f"value.`{f}` AS `{n}`" for f, n in zip(fields, STATE_NAMES[1:],
+                                                                      strict=True)])
+    return rows.toArrow() if hasattr(rows, "toArrow") else pa.Table.from_pandas(rows.toPandas())
 
 
-def _is_ss_snapshot(path: str) -> bool:
-    """A file of a RocksDB state store snapshot: ``<version>.zip`` (with its ``.crc``) or an
-    SST file under ``SSTs/`` (snapshots share SSTs; each uploads only the new ones)."""
-    return ".zip" in Path(path).name or f"{os.sep}SSTs{os.sep}" in path
-
-
-def _ss_written(written: WrittenBytes) -> dict:
-    """So far: all bytes, the snapshots' bytes, and per state store partition how many
-    snapshots were uploaded."""
-    snapshots: dict[str, int] = {}
-    for path in written.seen:
-        if path.endswith(".zip"):
-            partition = str(Path(path).parent)
-            snapshots[partition] = snapshots.get(partition, 0) + 1
-    return {"total": written.total, "snapshot": sum(
-        n for p, n in written.increments.items() if _is_ss_snapshot(p)),
-        "snapshots": min(snapshots.values(), default=0)}  # fmt: skip
-
-
-def _ss_steady_bytes(after: list[dict]) -> dict | None:
-    """SS's bytes per batch in steady state, its snapshots amortised: from the batch after
-    its first snapshot of every partition (which uploads the whole store) to the end, the
-    changelogs and metadata per batch (``changelog``), and the snapshot bytes over the snapshot
-    interval (``snapshot``, per ``SS_MIN_DELTAS_FOR_SNAPSHOT`` batches). None: no second
-    snapshot of every partition landed (pass more ``--batches``)."""
-    first = next((i for i, a in enumerate(after) if a["snapshots"] >= 1), None)
-    if first is None or first == len(after) - 1 or after[-1]["snapshots"] < 2:
-        return None
-    start, end = after[first], after[-1]
-    snapshot = end["snapshot"] - start["snapshot"]
-    rest = end["total"] - start["total"] - snapshot
-    return {"changelog": rest / (len(after) - 1 - first),
-            "snapshot": snapshot / SS_MIN_DELTAS_FOR_SNAPSHOT}
-
-
-def worker_before(workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
-    """Our runner with a DataFrame stage: one static partition per batch, a checkpoint after
-    each (the same cadence as a micro-batch engine)."""
-    import dagster as dg
-    from pyspark.sql import functions as F
-    from pyspark.sql import types as T
-
-    from checkpoint_storage import FileSystemCheckpointStorage
-    from pipelines import FileSource, Stage, StatefulPipeline, StatefulRunner
-
-    spark = _spark("before")
-    landing, names = _land(data, work, batches)
-    if workload == "aggregate":
-        schema = T.StructType([
-            T.StructField("user_id", T.StringType()), T.StructField("events", T.LongType()),
-            T.StructField("total", T.LongType()), T.StructField("last_seen", T.TimestampType()),
-        ])  # fmt: skip
-
-        def apply(events, state):
-            batch = events.groupBy("user_id").agg(
-                F.count(F.lit(1)).alias("events"), F.sum("amount").alias("total"),
-                F.max("ts").alias("last_seen"),
-            )  # fmt: skip
-            merged = state.unionByName(batch).groupBy("user_id").agg(
-                F.sum("events").alias("events"), F.sum("total").alias("total"),
-                F.max("last_seen").alias("last_seen"),
-            )  # fmt: skip
-            return merged, batch
-    else:
-        schema = T.StructType([
-            T.StructField("event_id", T.StringType()), T.StructField("ts", T.TimestampType()),
-        ])  # fmt: skip
-
-        def apply(events, state):
-            horizon = events.agg(F.max("ts")).first()[0]
-            fresh = events.select("event_id", "ts").join(state, "event_id", "left_anti")
-            kept = state.unionByName(fresh).where(
-                F.col("ts") >= F.lit(horizon) - F.expr("INTERVAL 2 DAYS")
-            )
-            return kept, fresh
-
-    pipeline = StatefulPipeline(
-        name=f"state_growth_{workload}",
-        stages=[Stage(workload, schema, apply)],
-        source=FileSource(url=str(landing) + "/{partition}", schema=EVENT_SCHEMA),
-        partitions=dg.StaticPartitionsDefinition(names),
-        checkpoint_interval=1,
-        max_retained_checkpoints=3,
-    )
-    storage = FileSystemCheckpointStorage(str(work / "checkpoint"))
-    runner = StatefulRunner(spark, storage, pipeline, lease_owner="state_growth")
-    if phase == "run":
-        runner.run(names[:1])
-        written = WrittenBytes(work / "checkpoint")
-        written.start()
-        walls, cpus = [], []
-        for name in names[1 : batches + 1]:
-            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
-            runner.run([name])
-            walls.append(time.perf_counter() - t0)
-            cpus.append(tree_cpu_seconds() - cpu0)
-            written.look()
-        return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches}
-    t0 = time.perf_counter()
-    runner.run([names[batches + 1]])
-    return {"recovery": time.perf_counter() - t0}
-
-
-
-# --- ours: keyed stages ---------------------------------------------------------------------
-
-AGGREGATE_STATE = pa.schema([
-    pa.field("user_id", pa.string(), nullable=False), ("events", pa.int64()),
-    ("total", pa.int64()), ("last_seen", EVENT_SCHEMA.field("ts").type),
-])  # fmt: skip
-DEDUPE_STATE = pa.schema([
-    pa.field("event_id", pa.string(), nullable=False), ("ts", EVENT_SCHEMA.field("ts").type),
-])  # fmt: skip
-
-
-def keyed_aggregate(input: pa.Table, state: pa.Table):
-    """Per user: count, sum of amount and newest ts, added to the user's state; the output is
-    the updated rows (what SS emits in update mode)."""
-    import pyarrow.compute as pc
-
-    from pipelines import KeyedResult
-
-    batch = input.group_by("user_id", use_threads=False).aggregate(
-        [([], "count_all"), ("amount", "sum"), ("ts", "max")])
-    both = batch.join(state, "user_id", join_type="left outer")
-    new, old = both.column("ts_max"), both.column("last_seen")
-    upserts = pa.table({
-        "user_id": both.column("user_id"),
-        "events": pc.add(both.column("count_all"), pc.fill_null(both.column("events"), 0)),
-        "total": pc.add(both.column("amount_sum"), pc.fill_null(both.column("total"), 0)),
-        "last_seen": pc.coalesce(pc.if_else(pc.greater(new, old), new, old), new, old),
-    })  # fmt: skip
-    return KeyedResult(upserts, AGGREGATE_STATE.empty_table().select(["user_id"]), upserts)
-
-
-def keyed_dedupe(input: pa.Table, state: pa.Table):
-    """The input's events whose event_id has no state, each once (the first in the batch):
-    the output (whole events, as SS's dropDuplicatesWithinWatermark emits) and the new state
-    rows. Rows behind the two-day window are dropped by the runner (the stage's event_time
-    and ttl), as SS drops rows behind its watermark."""
-    import pyarrow.compute as pc
-
-    from pipelines import KeyedResult
-
-    events = input.filter(pc.invert(pc.is_in(input.column("event_id"),
-                                             value_set=state.column("event_id"))))
-    if events.num_rows:
-        order = events.append_column("_row", pa.array(np.arange(events.num_rows)))
-        first = order.group_by("event_id", use_threads=False).aggregate([("_row", "min")])
-        if first.num_rows != events.num_rows:
-            events = events.take(np.sort(first.column("_row_min").to_numpy()))
-    upserts = events.select(DEDUPE_STATE.names)
-    return KeyedResult(upserts, DEDUPE_STATE.empty_table().select(["event_id"]), events)
-
-
-def _ours_pipeline(workload: str, landing: Path, names: list[str]):
-    import datetime as dt
-
+def _ours_pipeline(landing: Path, names: list[str]):
     import dagster as dg
 
-    from pipelines import (
-        FileSource,
-        KeyedStage,
-        MaterialisationPolicy,
-        StatefulPipeline,
-        StateTtl,  # fmt: skip
-        TtlTimeCharacteristic,
-    )
+    from pipelines import FileSource, StatefulPipeline
+    from pipelines.examples.click_events import KEYED_STAGES
 
-    if workload == "aggregate":
-        stage = KeyedStage("aggregate", "user_id", AGGREGATE_STATE, keyed_aggregate)
-    else:
-        stage = KeyedStage(
-            "dedupe", "event_id", DEDUPE_STATE, keyed_dedupe,
-            ttl=StateTtl(dt.timedelta(days=2), TtlTimeCharacteristic.EVENT_TIME, "ts"),
-            output_schema=EVENT_SCHEMA, event_time="ts",
-        )  # fmt: skip
     return StatefulPipeline(
-        name=f"state_growth_{workload}_keyed",
-        stages=[stage],
+        name="state_growth_keyed",
+        stages=[s for s in KEYED_STAGES if s.name == STAGE],
         source=FileSource(url=str(landing) + "/{partition}", schema=EVENT_SCHEMA),
         partitions=dg.StaticPartitionsDefinition(names),
         checkpoint_interval=1,
         max_retained_checkpoints=3,
         max_parallelism=128,
         keyed_parallelism=KEYED_PARALLELISM,
-        materialisation=MaterialisationPolicy(**OURS_MATERIALISATION),
     )
 
 
-def _land(data: Path, work: Path, batches: int) -> tuple[Path, list[str]]:
-    """One static partition per batch file (hard links), for ``before`` and ours."""
-    names = [f"b{b:05d}" for b in range(batches + 2)]
+def _land(data: Path, work: Path) -> tuple[Path, list[str]]:
+    """One static partition per batch file (hard links)."""
+    files = sorted(data.glob("batch-*.parquet"))
+    names = [f"b{b:05d}" for b in range(len(files))]
     landing = work / "landing"
-    for name, batch in zip(names, sorted(data.glob("batch-*.parquet")), strict=True):
+    for name, batch in zip(names, files, strict=True):
         (landing / name).mkdir(parents=True, exist_ok=True)
-        target = landing / name / batch.name
-        if not target.exists():
-            os.link(batch, target)
+        if not (landing / name / batch.name).exists():
+            os.link(batch, landing / name / batch.name)
     return landing, names
 
 
-def _ours_bytes_by_kind(paths: dict[str, int]) -> dict[str, int]:
-    """Bytes written by kind: change files, materialisations, ``_metadata``, other."""
-    kinds = {"change": 0, "materialisation": 0, "metadata": 0, "other": 0}
-    for path, size in paths.items():
-        name = Path(path).name
-        if name == "_metadata":
-            kinds["metadata"] += size
-        elif "/shared/" in path and re.search(r"-kg\d+-\d+-b\d+-a\d+-", name):
-            kinds["change"] += size
-        elif "/shared/" in path and re.search(r"-kg\d+-\d+-m\d+-a\d+-", name):
-            kinds["materialisation"] += size
+class System:
+    """What the worker drives: ``start`` (the runner or the query), ``batch(b)``, the final
+    state, ``stop``."""
+
+    def __init__(self, name: str, data: Path, work: Path, ss_min_deltas: int) -> None:
+        self.name, self.data, self.work = name, data, work
+        self.checkpoint = work / "checkpoint"
+        self.spark = _spark(f"state_growth-{name}", ss_min_deltas)
+        self.spark.sparkContext.setLogLevel("ERROR")
+        self.files = sorted(data.glob("batch-*.parquet"))
+
+    def start(self, local_dir: str) -> None:
+        if self.name == "ours":
+            from checkpoint_storage import FileSystemCheckpointStorage
+            from pipelines import StatefulRunner
+
+            landing, self.names = _land(self.data, self.work)
+            self.pipeline = _ours_pipeline(landing, self.names)
+            self.storage = FileSystemCheckpointStorage(str(self.checkpoint))
+            self.runner = StatefulRunner(self.spark, self.storage, self.pipeline,
+                                         lease_owner="state_growth", keyed_local_dir=local_dir)
         else:
-            kinds["other"] += size
-    return kinds
+            self.feed = self.work / "feed"
+            self.feed.mkdir(parents=True, exist_ok=True)
+            self.query = _ss_query(self.spark, self.feed, self.checkpoint)
+
+    def batch(self, b: int) -> None:
+        if self.name == "ours":
+            self.runner.run([self.names[b]])
+        else:
+            _feed(self.files[b], self.feed)
+            self.query.processAllAvailable()
+
+    def state(self) -> pa.Table:
+        if self.name == "ours":
+            from pipelines import job_id_for, read_state
+
+            latest = self.storage.create_checkpoint_storage(
+                job_id_for(self.pipeline.name)).latest_completed_checkpoint()
+            return read_state(latest.external_pointer, STAGE)
+        self.query.stop()
+        return _ss_state(self.spark, self.checkpoint)
+
+    def stop(self) -> None:
+        if self.name != "ours" and self.query.isActive:
+            self.query.stop()
 
 
-class Phases:
-    """Driver-side time per batch by phase (exclusive of nested phases): the functions of
-    the runner's keyed path wrapped in this worker process, behaviour unchanged."""
-
-    def __init__(self) -> None:
-        self.current: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self.stack: list[float] = []
-
-    def wrap(self, owner, name: str, label: str, numbered: bool = False) -> None:
-        original = getattr(owner, name)
-        phases = self
-
-        def timed(*args, **kwargs):
-            phases.calls[label] = phases.calls.get(label, 0) + 1
-            key = f"{label} #{phases.calls[label]}" if numbered else label
-            started = time.perf_counter()
-            phases.stack.append(0.0)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - started
-                nested = phases.stack.pop()
-                phases.current[key] = phases.current.get(key, 0.0) + elapsed - nested
-                if phases.stack:
-                    phases.stack[-1] += elapsed
-
-        setattr(owner, name, timed)
-
-    def take(self) -> dict[str, float]:
-        taken, self.current, self.calls = self.current, {}, {}
-        return taken
+def _say(tag: str, value) -> None:
+    print(f"{tag} {json.dumps(value)}", flush=True)
 
 
-def _profile_ours() -> Phases:
-    try:  # the class the session's DataFrames are (Spark 4: classic)
-        from pyspark.sql.classic.dataframe import DataFrame
-    except ImportError:
-        from pyspark.sql import DataFrame
-
-    import pipelines.runner as runner
-    from pipelines import FileSource
-    from pipelines.keyed import KeyedStageDriver
-
-    phases = Phases()
-    phases.wrap(FileSource, "batches", "source: list files")
-    phases.wrap(FileSource, "read", "source: read plan")
-    phases.wrap(DataFrame, "localCheckpoint", "localCheckpoint", numbered=True)
-    phases.wrap(DataFrame, "count", "count", numbered=True)
-    phases.wrap(DataFrame, "first", "first", numbered=True)
-    # KeyedStageDriver.apply is apply_keyed_batch and the chains' bookkeeping.
-    phases.wrap(KeyedStageDriver, "apply", "apply_keyed_batch (route + applyInArrow + "
-                "collect handles)")
-    phases.wrap(KeyedStageDriver, "prepare", "prepare (materialise if due)")
-    phases.wrap(runner.StatefulRunner, "checkpoint", "checkpoint (_metadata, GC)")
-    phases.wrap(runner.StatefulRunner, "_recover_store", "recover checkpoint store")
-    return phases
-
-
-def _executor_timings(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    path.unlink()
-    return rows
-
-
-def worker_ours(workload: str, data: Path, work: Path, batches: int, phase: str) -> dict:
-    """Our runner with a keyed stage (local stores, change files, periodic materialisation):
-    one static partition per batch, a checkpoint after each, as for ``before``. Local stores
-    live under ``work/local-<phase>``: the recovery process starts without them and rebuilds
-    them from the checkpoint's chains, as SS's recovery starts without its local RocksDB
-    instances (they live in the stopped SparkContext's temporary directory) and reloads them
-    from its checkpoint."""
-    from checkpoint_storage import FileSystemCheckpointStorage
-    from pipelines import StatefulRunner
-
-    timings = work / f"executor-timings-{phase}.jsonl"
-    os.environ["PIPELINES_KEYED_TIMINGS"] = str(timings)  # read by an instrumented _executor.py
-    spark = _spark("ours")
-    phases = _profile_ours()
-    landing, names = _land(data, work, batches)
-    pipeline = _ours_pipeline(workload, landing, names)
-    storage = FileSystemCheckpointStorage(str(work / "checkpoint"))
-    local = work / f"local-{phase}"
-    t0 = time.perf_counter()
-    runner = StatefulRunner(spark, storage, pipeline, lease_owner="state_growth",
-                            keyed_local_dir=str(local))
-    if phase == "run":
-        runner.run(names[:1])
-        phases.take()
-        _executor_timings(timings)
-        written = WrittenBytes(work / "checkpoint")
-        written.start()
-        walls, cpus, profile, executor = [], [], [], []
-        for name in names[1 : batches + 1]:
-            cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
-            runner.run([name])
-            walls.append(time.perf_counter() - t0)
-            cpus.append(tree_cpu_seconds() - cpu0)
-            profile.append(phases.take())
-            executor.append(_executor_timings(timings))
-            written.look()
-        grown = written.increments
-        return {"walls": walls, "cpus": cpus, "bytes_per_batch": written.total / batches,
-                "bytes_by_kind": _ours_bytes_by_kind(grown), "profile": profile,
-                "executor": executor}  # fmt: skip
-    progress: list[str] = []
-    runner.run([names[batches + 1]], on_progress=progress.append)
-    recovery = time.perf_counter() - t0
-    rebuilt = [n for line in progress for n in line.split("; ") if "rebuilt" in n]
-    return {"recovery": recovery, "recovery_profile": phases.take(),
-            "recovery_executor": _executor_timings(timings), "recovery_rebuilt": rebuilt}
+def worker_run(args, system: System) -> None:
+    """The initial state, then the timed batches: wall, CPU, bytes written and the chains
+    after each; a hard-linked copy of the checkpoint after each batch for the recoveries."""
+    system.start(str(system.work / "local-run"))
+    system.batch(0)
+    chains, before = Chains(), listing(system.checkpoint)
+    walls, cpus, written, lengths = [], [], [], []
+    kinds: dict[str, int] = {}
+    points = system.work / "points"
+    for b in range(1, args.batches + 1):
+        cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
+        system.batch(b)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(tree_cpu_seconds() - cpu0)
+        after = listing(system.checkpoint)
+        new = written_between(before, after)
+        if system.name == "ours":
+            chains.ours(new)
+        else:
+            chains.ss(after, new, b + 1)  # version b+1: batch 0 committed version 1
+        before = after
+        written.append(sum(new.values()))
+        for path, size in new.items():
+            kinds[kind_of(system.name, path)] = kinds.get(kind_of(system.name, path), 0) + size
+        lengths.append(chains.total())
+        if args.points:
+            link_copy(system.checkpoint, points / str(b))
+    if system.name != "ours":
+        # SS uploads snapshots in its maintenance task: what it uploads for the window's
+        # versions belongs to the window (two maintenance intervals, then a last look).
+        time.sleep(2 * float(SS_MAINTENANCE_INTERVAL.rstrip("s")) + 1)
+        after = listing(system.checkpoint)
+        new = written_between(before, after)
+        chains.ss(after, new, args.batches + 1)
+        written[-1] += sum(new.values())
+        for path, size in new.items():
+            kinds[kind_of(system.name, path)] = kinds.get(kind_of(system.name, path), 0) + size
+    print("TIMED-END", flush=True)  # the parent stops sampling memory here
+    result = {"walls": walls, "cpus": cpus, "written": written, "kinds": kinds,
+              "chain_lengths": lengths, "snapshots": chains.snapshots}  # fmt: skip
+    if args.points:
+        try:
+            result["state_check"] = compare_state(system.state(),
+                                                  expected_state(system.data, args.batches))
+        except Exception as exc:  # reported, not hidden: the check is a target's premise
+            result["state_check"] = f"NOT CHECKED: {type(exc).__name__}: {exc}"[:300]
+    system.stop()
+    _say("RESULT", result)
 
 
-def worker(args) -> None:
-    data, work = Path(args.data), Path(args.work)
-    if args.system.startswith("ss-"):
-        result = worker_ss(args.system, args.workload, data, work, args.batches, args.phase)
-    elif args.system == "before":
-        result = worker_before(args.workload, data, work, args.batches, args.phase)
-    elif args.system == "ours":
-        result = worker_ours(args.workload, data, work, args.batches, args.phase)
-    else:
-        raise SystemExit(f"state_growth: system {args.system!r} is not built yet")
-    print("RESULT " + json.dumps(result), flush=True)
+def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
+    """A new process (its start stamped by the parent): SparkSession, restore from the
+    checkpoint in place (the copy at batch ``args.point``), batch ``args.point + 1``."""
+    system = System(system_name, data, work, args.ss_min_deltas)
+    started = time.time()
+    system.start(str(work / f"local-recover-{args.point}"))
+    system.batch(args.point + 1)
+    done = time.time()
+    system.stop()
+    _say("RESULT", {"runner_start": started, "done": done})
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -597,240 +473,238 @@ def worker(args) -> None:
 
 @dataclass
 class Measured:
-    batch_wall: float
-    batch_cpu: float
-    bytes_per_batch: float
-    recovery: float
-    detail: dict | None = None
+    walls: list[float]
+    written: list[int]
+    kinds: dict[str, int]
+    chain_lengths: list[int]
+    snapshots: dict[str, int]
+    state_check: str
+    peak_rss: int
+    peak_pss: int
+    recovery: dict[str, dict] = field(default_factory=dict)  # point -> timings
+
+    @property
+    def batch_wall(self) -> float:
+        return statistics.median(self.walls)
+
+    @property
+    def bytes_per_batch(self) -> float:
+        return sum(self.written) / len(self.written)
 
 
-def run_system(system: str, workload: str, data: Path, batches: int) -> Measured | None:
-    work = Path(tempfile.mkdtemp(prefix=f"state_growth-{system}-"))
+def spawn(argv: list[str], sample: bool = True) -> tuple[dict, float, PeakMemory | None]:
+    """Run a worker; its RESULT, the wall clock at its start, and its memory peaks (sampled
+    until it prints TIMED-END, or to its end)."""
+    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (not a pipe: Spark's log could fill it)
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
+                            stderr=errors, text=True)  # fmt: skip
+    peak = PeakMemory(proc.pid) if sample else None
+    result = None
+    for line in proc.stdout:
+        if line.startswith("TIMED-END") and peak is not None:
+            peak.active = False
+        elif line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+    proc.wait()
+    errors.seek(0)
+    stderr = errors.read()
+    if peak is not None:
+        peak.stop()
+    if proc.returncode != 0 or result is None:
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"worker {' '.join(argv[:3])} failed ({proc.returncode}): {tail}")
+    return result, started, peak
+
+
+def common_argv(system: str, data: Path, work: Path, args) -> list[str]:
+    return ["--system", system, "--data", str(data), "--work", str(work),
+            "--batches", str(args.batches), "--ss-min-deltas", str(args.ss_min_deltas)]
+
+
+def choose_points(m: Measured) -> dict[str, int]:
+    """Worst: the batch after which the chains are longest. Best: the shortest chains after
+    the first snapshot in the window (None without one)."""
+    lengths = m.chain_lengths
+    worst = max(range(len(lengths)), key=lambda i: (lengths[i], i))
+    reset = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
+    points = {"worst": worst + 1}
+    if reset:
+        best = min(range(reset[0], len(lengths)), key=lambda i: (lengths[i], i))
+        points["best"] = best + 1
+    return points
+
+
+def recover(system: str, m: Measured, data: Path, work: Path, point: str, b: int, args) -> None:
+    """Put the copy at batch ``b`` in place (a real copy: the recovery writes into it) and
+    the stream source's directory as it was, then time a recovery process."""
+    shutil.rmtree(work / "checkpoint", ignore_errors=True)
+    shutil.copytree(work / "points" / str(b), work / "checkpoint")
+    if system != "ours":
+        for path in (work / "feed").glob("batch-*.parquet"):
+            if int(path.stem.split("-")[1]) > b:
+                path.unlink()
+    result, started, peak = spawn(["recover", *common_argv(system, data, work, args),
+                                   "--point", str(b)])
+    m.peak_rss, m.peak_pss = max(m.peak_rss, peak.rss), max(m.peak_pss, peak.pss)
+    m.recovery[point] = {"batch": b, "chain": m.chain_lengths[b - 1],
+                         "from_process_start": result["done"] - started,
+                         "from_runner_start": result["done"] - result["runner_start"],
+                         "peak_rss": peak.rss}  # fmt: skip
+
+
+def measure_size(size: int, changed: int, base: Path, args, order: list[str]) -> dict:
+    data = base / f"s{size}"
+    write_batches(data, size, args.batches, changed)
+    works = {s: Path(tempfile.mkdtemp(prefix=f"state_growth-{s}-", dir=base)) for s in order}
+    measured: dict[str, Measured] = {}
     try:
-        results = {}
-        for phase in ("run", "recovery"):
-            proc = subprocess.run(
-                [sys.executable, __file__, "worker", "--system", system, "--workload", workload,
-                 "--data", str(data), "--work", str(work), "--batches", str(batches),
-                 "--phase", phase],
-                capture_output=True, text=True, timeout=3600,
-            )  # fmt: skip
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                print(f"  {system} {workload} {phase}: failed: {' | '.join(tail)}", flush=True)
-                return None
-            results |= json.loads(lines[-1][len("RESULT ") :])
-        return Measured(
-            statistics.median(results["walls"]), statistics.median(results["cpus"]),
-            results["bytes_per_batch"], results["recovery"],
-            {k: results[k] for k in ("bytes_by_kind", "steady_bytes_per_batch", "walls",
-                                     "profile", "executor", "recovery_profile",
-                                     "recovery_executor", "recovery_rebuilt") if k in results},
-        )  # fmt: skip
+        for system in order:
+            result, _, peak = spawn(["run", *common_argv(system, data, works[system], args),
+                                     "--points"])
+            measured[system] = Measured(
+                result["walls"], result["written"], result["kinds"], result["chain_lengths"],
+                result["snapshots"], result["state_check"], peak.rss, peak.pss)
+            print(f"  S={size:,} {system}: run done, load {os.getloadavg()[0]:.1f}", flush=True)
+        points = {s: choose_points(measured[s]) for s in order}
+        for point in ("best", "worst"):
+            for system in order:
+                if point in points[system]:
+                    recover(system, measured[system], data, works[system], point,
+                            points[system][point], args)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        for work in works.values():
+            shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
+    return measured
 
 
-def steady_bytes_per_batch(m: Measured, batches: int) -> float | None:
-    """Bytes per batch in steady state, snapshots amortised (None: not measurable).
-
-    SS: what it wrote from the batch after its first snapshot of every partition to the end
-    (changelogs and its next, incremental snapshot; ``_ss_steady_bytes``).
-
-    Ours: the change files, plus the materialisations the policy writes for them (a
-    snapshot once the changes outgrow ``ratio`` times the base, so ``1/ratio`` of the change
-    bytes per batch, whatever the state's size), plus the rest (``_metadata``); a window of
-    a few batches may hold no materialisation or one, so this is at least the window's
-    measured bytes."""
-    detail = m.detail or {}
-    if "steady_bytes_per_batch" in detail:
-        steady = detail["steady_bytes_per_batch"]
-        return None if steady is None else steady["changelog"] + steady["snapshot"]
-    kinds = detail.get("bytes_by_kind")
-    if not kinds:
-        return m.bytes_per_batch
-    change = kinds.get("change", 0) / batches
-    rest = sum(v for k, v in kinds.items() if k not in ("change", "materialisation")) / batches
-    return max(m.bytes_per_batch, change * (1 + 1 / OURS_MATERIALISATION["ratio"]) + rest)
-
-
-def best(runs: list[Measured]) -> Measured:
-    return Measured(
-        min(r.batch_wall for r in runs), min(r.batch_cpu for r in runs),
-        min(r.bytes_per_batch for r in runs), min(r.recovery for r in runs),
-        min(runs, key=lambda r: r.bytes_per_batch).detail,
-    )  # fmt: skip
-
-
-def _detail(detail: dict, batches: int) -> str:
-    parts = []
-    if "bytes_by_kind" in detail:
-        parts.append("bytes/batch by kind: " + ", ".join(
-            f"{k} {mib(v / batches)}" for k, v in detail["bytes_by_kind"].items() if v))
-    if "walls" in detail:
-        parts.append("batch walls s: " + " ".join(f"{w:.2f}" for w in detail["walls"]))
-    lines = ["; ".join(parts)]
-    if detail.get("profile"):
-        lines.append(_profile_lines(detail["profile"], detail.get("executor"), detail["walls"]))
-    if "recovery_profile" in detail:
-        lines.append("recovery: " + _phase_text(detail["recovery_profile"])
-                     + _executor_text(detail.get("recovery_executor") or [])
-                     + "".join(f"; {note}" for note in detail.get("recovery_rebuilt", [])))
-    return "\n      ".join(lines)
-
-
-def _phase_text(phases: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.2f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])
-                     if v >= 0.005)
-
-
-def _executor_text(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    keys = [k for k in rows[0] if k.endswith("_s")]
-    return " | executor (per range, max): " + ", ".join(
-        f"{k[:-2]} {max(r.get(k, 0.0) for r in rows):.2f}" for k in keys)
-
-
-def _profile_lines(profile: list[dict], executor: list | None, walls: list[float]) -> str:
-    """Per phase, the median seconds over the timed batches (driver side, exclusive), and
-    the executor-side steps of the keyed stage per range."""
-    labels = sorted({k for p in profile for k in p})
-    medians = {k: statistics.median(p.get(k, 0.0) for p in profile) for k in labels}
-    accounted = [sum(p.values()) for p in profile]
-    medians["(rest of runner.run)"] = statistics.median(
-        w - a for w, a in zip(walls, accounted, strict=True))
-    text = "batch profile, median s: " + _phase_text(medians)
-    if executor and any(executor):
-        keys = [k for k in executor[0][0] if k.endswith("_s")] if executor[0] else []
-        per = {k: statistics.median(max((r.get(k, 0.0) for r in rows), default=0.0)
-                                    for rows in executor) for k in keys}
-        text += " | executor per range (median of the slower range): " + ", ".join(
-            f"{k[:-2]} {v:.2f}" for k, v in per.items())
-    return text
+def measure_growth(sizes: list[int], base: Path, args) -> dict[int, float]:
+    """Ours' median batch wall at GROWTH_CHANGED changed keys, at the smallest and largest S."""
+    walls = {}
+    growth_args = argparse.Namespace(**{**vars(args), "batches": args.growth_batches})
+    for size in (min(sizes), max(sizes)):
+        data = base / f"g{size}"
+        write_batches(data, size, growth_args.batches, args.growth_changed)
+        work = Path(tempfile.mkdtemp(prefix="state_growth-g-", dir=base))
+        try:
+            result, _, _ = spawn(["run", *common_argv("ours", data, work, growth_args)],
+                                 sample=False)
+            walls[size] = statistics.median(result["walls"])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(data, ignore_errors=True)
+    return walls
 
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
+    checks = []
+    for system, m in measured.items():
+        kinds = ", ".join(f"{k} {mib(v / args.batches)}" for k, v in sorted(m.kinds.items()))
+        print(f"S={size:,} {system}: bytes/batch {mib(m.bytes_per_batch)} measured ({kinds}); "
+              f"batch {m.batch_wall:.2f} s median; peak RSS {mib(m.peak_rss)} "
+              f"(PSS {mib(m.peak_pss)}); final state {m.state_check}")
+        snaps = ", ".join(f"{k} {v}" for k, v in sorted(m.snapshots.items()))
+        print(f"    snapshots in the window: {snaps or 'none'}; longest chain "
+              f"{max(m.chain_lengths)} files")
+        for point, r in m.recovery.items():
+            print(f"    recovery at the {point} point (after batch {r['batch']}, chains "
+                  f"{r['chain']} files): {r['from_process_start']:.2f} s from process start, "
+                  f"{r['from_runner_start']:.2f} s from the runner's start")
+    ours, ss = measured.get("ours"), measured.get("ss-rocksdb")
+    covered = ours is not None and ss is not None and all(
+        v >= 1 for m in (ours, ss) for v in m.snapshots.values()) and all(
+        m.snapshots for m in (ours, ss))
+    print(f"S={size:,} window covers a snapshot of every range and SS partition: "
+          f"{'yes' if covered else 'NO (pass more --batches)'}")
+    correct = all(m.state_check.startswith("equal") for m in measured.values())
+    figures = {
+        "bytes/batch": (lambda m: m.bytes_per_batch, covered),
+        "batch wall": (lambda m: m.batch_wall, True),
+        "recovery (worst point)": (
+            lambda m: m.recovery.get("worst", {}).get("from_process_start"), True),
+        "peak RSS": (lambda m: m.peak_rss, True),
+    }
+    for label, (get, valid) in figures.items():
+        limit = TARGETS[label]
+        a = get(ours) if ours else None
+        b = get(ss) if ss else None
+        if a is None or not b or not valid or not correct:
+            why = "final state wrong" if not correct else "not measured"
+            print(f"S={size:,} {label} <= {limit}x SS RocksDB: MISSED ({why})")
+            checks.append(False)
+            continue
+        ratio = a / b
+        checks.append(ratio <= limit)
+        print(f"S={size:,} {label}: {ratio:.2f}x SS RocksDB (target <= {limit}x): "
+              f"{'ok' if ratio <= limit else 'MISSED'}")
+    if ours and ss and "worst" in ours.recovery and "worst" in ss.recovery:
+        r = ours.recovery["worst"]["from_runner_start"] / ss.recovery["worst"][
+            "from_runner_start"]
+        print(f"S={size:,} recovery (worst point) from the runner's start: {r:.2f}x SS "
+              "RocksDB (no target)")
+    return checks
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
-    w = sub.add_parser("worker")
-    for flag in ("--system", "--workload", "--data", "--work", "--phase"):
-        w.add_argument(flag, required=True)
-    w.add_argument("--batches", type=int, required=True)
-    parser.add_argument("--keys", default="1000000,4000000,8000000")
-    # 22: SS snapshots at versions 10 and 20, so its steady-state window holds one
-    parser.add_argument("--batches", type=int, default=22)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--changed", type=int, default=None, help="changed keys per batch")
-    parser.add_argument("--systems", default="ss-rocksdb,ss-hdfs,before,ours")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("command", nargs="?", choices=("run", "recover"))
+    parser.add_argument("--system", choices=SYSTEMS)
+    parser.add_argument("--data")
+    parser.add_argument("--work")
+    parser.add_argument("--point", type=int)
+    parser.add_argument("--points", action="store_true")
+    parser.add_argument("--sizes", default="1000000,4000000,8000000")
+    # ~100 batches of 1% reach our first materialisation (changes outgrow the base)
+    parser.add_argument("--batches", type=int, default=120)
+    parser.add_argument("--changed", type=float, default=0.01,
+                        help="changed keys per batch: a fraction of S (< 1) or a number")
+    parser.add_argument("--ss-min-deltas", type=int, default=10)
+    parser.add_argument("--growth-changed", type=int, default=GROWTH_CHANGED)
+    parser.add_argument("--growth-batches", type=int, default=GROWTH_BATCHES)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if args.command == "worker":
-        worker(args)
+    if args.command == "run":
+        worker_run(args, System(args.system, Path(args.data), Path(args.work),
+                                args.ss_min_deltas))
+        return
+    if args.command == "recover":
+        worker_recover(args, args.system, Path(args.data), Path(args.work))
         return
     if args.quick:
-        args.keys, args.batches, args.repeats = "100000", 3, 1
-    sizes = [int(k) for k in args.keys.split(",")]
-    systems = args.systems.split(",")
-    workloads = args.workloads.split(",")
-    print(f"state_growth: keys {sizes}, {args.batches} batches, {args.repeats} repeats, "
-          f"local[2], {SHUFFLE_PARTITIONS} shuffle partitions; load {os.getloadavg()}")  # fmt: skip
-    table: dict[tuple[str, str, int], Measured | None] = {}
-    base = Path(tempfile.mkdtemp(prefix="state_growth-data-"))
+        # half the keys per batch, 20 batches: each range's changes (~0.07 MiB a batch)
+        # outgrow the policy's 1 MiB minimum base within the window, so that a
+        # materialisation (and a best point) is exercised
+        args.sizes, args.batches, args.changed, args.ss_min_deltas = "20000", 20, 0.5, 4
+        args.growth_changed, args.growth_batches = 2000, 3
+    sizes = [int(s) for s in args.sizes.split(",")]
+    growth_sizes = [20_000, 40_000] if args.quick else sizes
+    print(f"state_growth: sizes {sizes}, {args.batches} batches, changed {args.changed} per "
+          f"batch, SS minDeltasForSnapshot {args.ss_min_deltas}, maintenance every "
+          f"{SS_MAINTENANCE_INTERVAL}, local[2]; load {os.getloadavg()}", flush=True)
+    checks: list[bool] = []
+    base = Path(tempfile.mkdtemp(prefix="state_growth-"))
     try:
-        for size in sizes:
-            changed = args.changed or max(1, size // 100)
-            data = base / f"s{size}"
-            write_batches(data, size, args.batches, changed)
-            for workload in workloads:
-                runs: dict[str, list[Measured]] = {s: [] for s in systems}
-                for r in range(args.repeats):
-                    order = systems[r % len(systems) :] + systems[: r % len(systems)]
-                    for system in order:
-                        m = run_system(system, workload, data, args.batches)
-                        if m is not None:
-                            runs[system].append(m)
-                for system in systems:
-                    table[(system, workload, size)] = best(runs[system]) if runs[system] else None
-                    m = table[(system, workload, size)]
-                    shown = (
-                        "failed" if m is None else
-                        f"{mib(m.bytes_per_batch)}/batch, batch {m.batch_wall:.2f} s wall "
-                        f"{m.batch_cpu:.2f} s cpu, recovery {m.recovery:.2f} s"
-                    )  # fmt: skip
-                    print(f"S={size:>9,} {workload:<9} {system:<10} {shown}", flush=True)
-                    if m is not None and m.detail:
-                        print(f"    {system} detail: {_detail(m.detail, args.batches)}",
-                              flush=True)
-            shutil.rmtree(data, ignore_errors=True)
+        for i, size in enumerate(sizes):
+            changed = int(args.changed * size) if args.changed < 1 else int(args.changed)
+            order = list(SYSTEMS) if i % 2 == 0 else list(reversed(SYSTEMS))
+            measured = measure_size(size, max(1, changed), base, args, order)
+            checks += report(size, measured, args)
+        if len(growth_sizes) > 1:
+            walls = measure_growth(growth_sizes, base, args)
+            small, large = min(growth_sizes), max(growth_sizes)
+            ratio = walls[large] / walls[small]
+            checks.append(ratio <= GROWTH_TARGET)
+            print(f"growth S={small:,}->{large:,} at {args.growth_changed:,} changed keys: "
+                  f"batch {walls[small]:.2f} -> {walls[large]:.2f} s, {ratio:.2f}x (target "
+                  f"<= {GROWTH_TARGET}x): {'ok' if ratio <= GROWTH_TARGET else 'MISSED'}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"load after: {os.getloadavg()}")
-    checks = []
-    for workload in workloads:
-        for size in sizes:
-            ours = table.get(("ours", workload, size))
-            ss = table.get(("ss-rocksdb", workload, size))
-            for name, m, how in ((("ours", ours, "materialisation amortised"),
-                                  ("ss-rocksdb", ss, "after its first snapshot, the next "
-                                   "snapshot included"))):
-                if m is not None:
-                    steady = steady_bytes_per_batch(m, args.batches)
-                    shown = "not measured (pass more --batches)" if steady is None else mib(steady)
-                    parts = (m.detail or {}).get("steady_bytes_per_batch")
-                    if parts:
-                        shown += (f" (changelogs {mib(parts['changelog'])} + snapshots "
-                                  f"{mib(parts['snapshot'])})")
-                    print(f"{workload} S={size:,} {name} steady-state bytes/batch ({how}): "
-                          f"{shown}")
-            for label, limit, get in (
-                ("bytes/batch", 1.0, lambda m: steady_bytes_per_batch(m, args.batches)),
-                ("batch wall", 1.5, lambda m: m.batch_wall),
-                ("recovery", 1.0, lambda m: m.recovery),
-            ):
-                if ours is None or ss is None or get(ss) is None:
-                    checks.append(False)
-                    print(f"{workload} S={size:,} {label} <= {limit}x SS RocksDB: MISSED "
-                          "(not measured)")  # fmt: skip
-                    continue
-                ratio = get(ours) / get(ss)
-                ok = ratio <= limit
-                checks.append(ok)
-                print(f"{workload} S={size:,} {label}: {ratio:.2f}x SS RocksDB "
-                      f"(target <= {limit}x): {'ok' if ok else 'MISSED'}")  # fmt: skip
-    if len(sizes) > 1:
-        small, large = min(sizes), max(sizes)
-        fixed = args.changed is not None
-        for workload in workloads:
-            for system in ("ss-rocksdb", "ours"):
-                a, b = table.get((system, workload, small)), table.get((system, workload, large))
-                for label, get in (("batch wall", lambda m: m.batch_wall),
-                                   ("bytes/batch", lambda m: m.bytes_per_batch)):
-                    if system != "ours":
-                        if a is not None and b is not None:
-                            print(f"{workload} growth S={small:,}->{large:,} {label} "
-                                  f"(ss-rocksdb, for reference): {get(b) / get(a):.2f}x")
-                        continue
-                    name = (f"{workload} growth S={small:,}->{large:,} {label} at "
-                            f"{args.changed:,} changed keys") if fixed else None
-                    if name is None:
-                        print(f"{workload} growth {label}: not checked (pass --changed to fix "
-                              "the number of changed keys)")
-                        continue
-                    if a is None or b is None:
-                        checks.append(False)
-                        print(f"{name} <= 1.3x: MISSED (not measured)")
-                        continue
-                    ratio = get(b) / get(a)
-                    checks.append(ratio <= 1.3)
-                    print(f"{name}: {ratio:.2f}x (target <= 1.3x): "
-                          f"{'ok' if ratio <= 1.3 else 'MISSED'}")
     print(f"targets: {sum(checks)}/{len(checks)} met")
 
 

@@ -10,7 +10,7 @@ Usage::
         [--repeats 2]
 
 The pipeline is per-customer order totals (a keyed stage, 16 key groups on 2 ranges,
-local[2]; the keyed totals of tests/pipelines), materialising a range after every 3 change
+local[2]; the keyed totals of tests/pipelines), snapshotting a range after every 3 change
 files, over ``--batches`` batches split across ``--partitions`` partitions (one run), so
 shared files are superseded and discarded the whole time. At the end (after the registry's
 pending deletions):
@@ -26,7 +26,7 @@ Prints one line per check and ``retention: ok`` or ``retention: FAILED``; exits 
 ``--file-merging``: the storage merges files across checkpoints (a range's change files are
 segments appended to one physical file per chain). ``--compare-merging``: the same batches
 with merging off (what a user has without it) and on, interleaved, ``--repeats`` times each,
-with the default materialisation policy (a chain lasts until its changes outgrow 1 MiB):
+with the default full snapshot policy (a chain lasts until its changes outgrow 1 MiB):
 prints the state files each created (every file seen in ``shared/`` after a batch), the wall
 time per batch, the ratios and ``targets: N/M met`` (at least 10x fewer files; batch wall at
 most 1.1x), and each run's retention check. A short run of each mode warms up first.
@@ -133,16 +133,16 @@ class RetentionReport:
 
 
 def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: int = 1,
-          progress=None, file_merging: bool = False, materialisation=None) -> RetentionReport:
+          progress=None, file_merging: bool = False, full_snapshot=None) -> RetentionReport:
     """Run the keyed totals pipeline over ``batches`` batches (checkpoint every batch,
-    ``max_retained`` retained; ``materialisation``: default every 3 change files) in
+    ``max_retained`` retained; ``full_snapshot``: default every 3 change files) in
     ``work``, then compare the job directory with the retained checkpoints."""
     import dagster as dg
 
     from checkpoint_storage import FileSystemCheckpointStorage
     from pipelines import (
+        FullSnapshotPolicy,
         KeyedStage,
-        MaterialisationPolicy,
         StatefulPipeline,
         StatefulRunner,
     )
@@ -158,7 +158,7 @@ def check(spark, work: Path, batches: int, max_retained: int = 3, partitions: in
         checkpoint_interval=1,
         max_retained_checkpoints=max_retained,
         max_parallelism=16,
-        materialisation=materialisation or MaterialisationPolicy(every=3, min_bytes=0),
+        full_snapshot=full_snapshot or FullSnapshotPolicy(every=3, min_bytes=0),
         keyed_parallelism=2,
     )
     storage = FileSystemCheckpointStorage(
@@ -244,7 +244,7 @@ def main() -> None:
 
 def compare_merging(spark, args) -> bool:
     """Merging off and on, interleaved; prints files, batch wall, ratios and targets."""
-    from pipelines import MaterialisationPolicy
+    from pipelines import FullSnapshotPolicy
 
     print(f"load average at start: {os.getloadavg()}", flush=True)
     reports: dict[bool, list[RetentionReport]] = {False: [], True: []}
@@ -255,7 +255,7 @@ def compare_merging(spark, args) -> bool:
         for merging in (False, True):
             with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
                 report = check(spark, Path(work), args.batches, args.retained,
-                               args.partitions, None, merging, MaterialisationPolicy())
+                               args.partitions, None, merging, FullSnapshotPolicy())
             reports[merging].append(report)
             print(f"run {repeat + 1} merging {'on' if merging else 'off'}: "
                   f"{report.seconds / report.batches:.3f} s/batch, "

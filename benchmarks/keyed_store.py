@@ -14,7 +14,7 @@ when it reaches 5% of the segment). Each runs in one thread, as one Spark task w
 Workload per state size S: load S keys (strings like user ids) with a state row of
 (string, long, timestamp); then per batch 1% of the keys change: look up the batch's keys'
 current rows as an Arrow table, upsert the changed rows, delete S/10,000 keys and insert as
-many new ones. Then export the whole store as a key-sorted Parquet snapshot (materialisation)
+many new ones. Then export the whole store as a key-sorted Parquet snapshot (full snapshot)
 and rebuild a new store from that snapshot plus the batches' change files (recovery).
 
 Printed per S and store, best of ``--rounds`` (stores interleaved in each round, in rotating
@@ -308,7 +308,7 @@ class ArrowStore:
         self.hashes = self.segment.column("_hash").to_numpy()  # zero-copy over the mapping
 
     def load(self, table: pa.Table) -> None:
-        self._write_segment(pa.concat_tables([self.materialised(), table]))
+        self._write_segment(pa.concat_tables([self.snapshotted(), table]))
 
     def _segment_rows(self, keys: pa.Array) -> pa.Table:
         h = hash_keys(pa.table({"key": keys}), ("key",))
@@ -331,7 +331,7 @@ class ArrowStore:
         keep = pc.invert(pc.is_in(self.delta.column("key"), value_set=table.column("key")))
         self.delta = pa.concat_tables([self.delta.filter(keep), table]).combine_chunks()
         if self.delta.num_rows > self.MERGE_RATIO * max(self.segment.num_rows, 1):
-            self._write_segment(self.materialised())
+            self._write_segment(self.snapshotted())
             self.delta = self._empty_delta()
 
     def upsert(self, table: pa.Table) -> None:
@@ -343,14 +343,14 @@ class ArrowStore:
                           pa.nulls(n, pa.timestamp("us"))], schema=SCHEMA)
         self._change(table.append_column("_deleted", pa.repeat(True, n)))
 
-    def materialised(self) -> pa.Table:
+    def snapshotted(self) -> pa.Table:
         changed = pc.is_in(self.segment.column("key"), value_set=self.delta.column("key"))
         kept = self.segment.filter(pc.invert(changed)).drop_columns(["_hash"])
         delta = self.delta.filter(pc.invert(self.delta.column("_deleted")))
         return pa.concat_tables([kept, delta.drop_columns(["_deleted"])])
 
     def export(self, path: Path) -> None:
-        pq.write_table(self.materialised().sort_by("key"), path)
+        pq.write_table(self.snapshotted().sort_by("key"), path)
 
     def flush(self) -> None:
         pass
@@ -362,7 +362,7 @@ class ArrowStore:
 class CoreArrowStore:
     """The project's ``pipelines.keyed.ArrowKeyedStateStore`` (the Arrow store above, with
     any key and schema, crash-safe manifest, joins for the delta); its snapshot is sorted by
-    key group, then key hash (the materialisation order)."""
+    key group, then key hash (the full snapshot order)."""
 
     name = "arrow-core"
     sorts_by_key = False
@@ -459,7 +459,7 @@ def run_one(store_class, size: int, batches: int, work: Path, seed: int) -> dict
         keys = exported.column("key")
         assert pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py()
     store.close()
-    # recovery from the materialisation before the batches plus their change files
+    # recovery from the full snapshot before the batches plus their change files
     base = work / "base.parquet"
     pq.write_table(initial.sort_by("key"), base)
     started = time.perf_counter()

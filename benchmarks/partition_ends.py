@@ -18,7 +18,7 @@ Targets: every one of the K ends is retained and reads back as its partition's s
 job directory with K ends is at most 2x the head alone. Why 2x: keyed checkpoints are
 incremental, so the ends share the head's chain (a snapshot and its change files) and each
 adds only its `_metadata`, while the head's own chain holds the last K partitions' changes; a
-materialisation within the window keeps the previous chain too (at most ``1 + ratio`` times a
+full snapshot within the window keeps the previous chain too (at most ``1 + ratio`` times a
 snapshot more, docs/design.md), which 1% changes an hour do not reach within 48 hours.
 """
 

@@ -4,9 +4,9 @@ disk, on the driver, as ``StatefulRunner`` does before it restores.
 
 The state: ``--keys`` keys (default 1,000,000) of a per-user aggregate (user id string, count,
 sum, last time), max parallelism 128 on 2 ranges, written with the real chain format
-(``write_materialisation``, ``write_change_file``) through a real ``FileSystemCheckpointStorage``.
-Two checkpoints are measured: a chain just materialised (the snapshots alone), and the longest
-chain the default ``MaterialisationPolicy`` (ratio 1.0) lets grow: the snapshots plus change
+(``write_full_snapshot``, ``write_change_file``) through a real ``FileSystemCheckpointStorage``.
+Two checkpoints are measured: a chain just snapshotted (the snapshots alone), and the longest
+chain the default ``FullSnapshotPolicy`` (ratio 1.0) lets grow: the snapshots plus change
 files of 1% of the keys each, as many bytes as the snapshots. Files are read from the page
 cache (just written); a cold read from disk or an object store adds its transfer time.
 
@@ -41,7 +41,7 @@ from pipelines.keyed import (  # noqa: E402
     assign_key_groups,
     compute_key_group_range_for_operator_index,
     write_change_file,
-    write_materialisation,
+    write_full_snapshot,
 )
 
 SCHEMA = pa.schema([pa.field("user", pa.string(), nullable=False), ("count", pa.int64()),
@@ -104,7 +104,7 @@ def measure(work: Path, args) -> None:
             pa.compute.greater_equal(state.column(KEY_GROUP), key_groups.start),
             pa.compute.less_equal(state.column(KEY_GROUP), key_groups.end)))
         mine = mine.sort_by(KEY_GROUP)
-        snapshot = write_materialisation(factory, layout, key_groups, mine.to_batches())
+        snapshot = write_full_snapshot(factory, layout, key_groups, mine.to_batches())
         snapshots.append(snapshot)
         written = 0
         while written < snapshot.state_size:  # the policy's ratio 1.0: changes up to the base
@@ -118,7 +118,7 @@ def measure(work: Path, args) -> None:
             written += change.state_size
     print(f"state: {args.keys:,} keys, {PARALLELISM} ranges of {MAX_PARALLELISM} key groups; "
           f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC")
-    for name, handles in (("just materialised", snapshots),
+    for name, handles in (("just snapshotted", snapshots),
                           ("longest chain (ratio 1.0)", snapshots + changes)):
         for workers in (8, 1):
             seconds, read = timed(handles, args.repeats, workers)

@@ -9,7 +9,7 @@ local disk, ``local[2]``:
   (``spark.sql.streaming.stateStore.minDeltasForSnapshot``, Spark's default 10), uploaded by
   the maintenance task every ``SS_MAINTENANCE_INTERVAL``;
 - ``ours``: ``StatefulRunner`` with the click events' keyed ``user_activity`` stage
-  (``keyed_parallelism`` 2, ``max_parallelism`` 128, the default ``MaterialisationPolicy``: a
+  (``keyed_parallelism`` 2, ``max_parallelism`` 128, the default ``FullSnapshotPolicy``: a
   range's chain is replaced by a snapshot once its change files outgrow its base).
 
 Workload: the full per-key aggregate (count, decimal(22,2) sum, min and max event time),
@@ -21,9 +21,9 @@ with an independent recomputation in pyarrow.
 Per system and S:
 
 - bytes written per batch: MEASURED, the growth of the checkpoint directory's files listed
-  before and after each batch (snapshots, materialisations and SS's maintenance uploads
+  before and after each batch (snapshots, full snapshots and SS's maintenance uploads
   included), summed over the timed batches and divided by their number. The window must hold
-  a materialisation of every range of ours and a snapshot of every SS state partition (the
+  a full snapshot of every range of ours and a snapshot of every SS state partition (the
   coverage line says whether it did; if not, the bytes target is MISSED: pass more
   ``--batches``);
 - batch wall: median over the timed batches;
@@ -89,7 +89,7 @@ START = np.datetime64("2026-10-01T00:00:00", "us")
 TARGETS = {"bytes/batch": 0.3, "batch wall": 0.7, "recovery (worst point)": 0.8,
            "peak RSS": 1.0}  # fmt: skip
 GROWTH_TARGET = 1.3
-# A change file or a materialisation of one key group range, in our shared directory.
+# A change file or a full snapshot of one key group range, in our shared directory.
 OURS_STATE_FILE = re.compile(r"-kg(\d+)-(\d+)-([bm])\d+-a\d+-")
 
 
@@ -254,7 +254,7 @@ def kind_of(system: str, path: str) -> str:
         if name == "_metadata":
             return "metadata"
         if m := OURS_STATE_FILE.search(name):
-            return "materialisation" if m[3] == "m" else "change"
+            return "full_snapshot" if m[3] == "m" else "change"
         return "other"
     if path.startswith("state") and (".zip" in name or f"{os.sep}SSTs{os.sep}" in path):
         return "snapshot"
@@ -659,7 +659,7 @@ def main(argv=None) -> None:
     parser.add_argument("--point", type=int)
     parser.add_argument("--points", action="store_true")
     parser.add_argument("--sizes", default="1000000,4000000,8000000")
-    # ~100 batches of 1% reach our first materialisation (changes outgrow the base)
+    # ~100 batches of 1% reach our first full snapshot (changes outgrow the base)
     parser.add_argument("--batches", type=int, default=120)
     parser.add_argument("--changed", type=float, default=0.01,
                         help="changed keys per batch: a fraction of S (< 1) or a number")
@@ -678,7 +678,7 @@ def main(argv=None) -> None:
     if args.quick:
         # half the keys per batch, 20 batches: each range's changes (~0.07 MiB a batch)
         # outgrow the policy's 1 MiB minimum base within the window, so that a
-        # materialisation (and a best point) is exercised
+        # full snapshot (and a best point) is exercised
         args.sizes, args.batches, args.changed, args.ss_min_deltas = "20000", 20, 0.5, 4
         args.growth_changed, args.growth_batches = 2000, 3
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -19,9 +19,9 @@ from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
 from pipelines._sources import FileSource, Source, SparkReadSource
 from pipelines._spec import SOURCE, Stage, StatefulPipeline
 from pipelines.keyed import (
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
-    MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
     agg,
@@ -46,7 +46,7 @@ __all__ = [
     "SOURCE",
     "KeyedResult",
     "KeyedStage",
-    "MaterialisationPolicy",
+    "FullSnapshotPolicy",
     "Stage",
     "StatefulPipeline",
     "StateTtl",

@@ -1,5 +1,5 @@
 """Parquet for state and sources: writing into a state stream (what DataFrame stages'
-snapshots and keyed state's change files and materialisations share), and reading on an
+snapshots and keyed state's change files and full snapshots share), and reading on an
 executor without ``pyarrow.dataset``."""
 
 from collections.abc import Iterable, Sequence

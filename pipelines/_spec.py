@@ -19,8 +19,8 @@ from pipelines._sources import Source
 from pipelines.keyed import (
     DEFAULT_MAX_PARALLELISM,
     UPPER_BOUND_MAX_PARALLELISM,
+    FullSnapshotPolicy,
     KeyedStage,
-    MaterialisationPolicy,
 )
 from pipelines.keyed._stage import check_stage_name
 
@@ -183,7 +183,7 @@ class StatefulPipeline:
     the pipeline's state: checkpoints record it, and state written with another cannot be
     restored. ``keyed_parallelism``: how many key group ranges (Spark tasks) keyed stages run
     on (None: Spark's default parallelism, at most ``max_parallelism``); change it between
-    runs to rescale: restored state is redistributed first. ``materialisation``: when a keyed
+    runs to rescale: restored state is redistributed first. ``full_snapshot``: when a keyed
     stage's chain of change files is replaced by a full snapshot of its range (after
     ``every`` change files, or when they outgrow ``ratio`` times the last snapshot).
 
@@ -205,7 +205,7 @@ class StatefulPipeline:
     deps: "Sequence[dg.AssetsDefinition]" = ()
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     keyed_parallelism: int | None = None
-    materialisation: MaterialisationPolicy = MaterialisationPolicy()
+    full_snapshot: FullSnapshotPolicy = FullSnapshotPolicy()
     order: PartitionOrder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -244,9 +244,9 @@ class StatefulPipeline:
                 f"pipeline {self.name}: keyed_parallelism must be in [1, max_parallelism="
                 f"{self.max_parallelism}] or None, got {self.keyed_parallelism!r}"
             )
-        if not isinstance(self.materialisation, MaterialisationPolicy):
-            raise TypeError(f"pipeline {self.name}: materialisation must be a "
-                            "MaterialisationPolicy")
+        if not isinstance(self.full_snapshot, FullSnapshotPolicy):
+            raise TypeError(f"pipeline {self.name}: full snapshot must be a "
+                            "FullSnapshotPolicy")
         seen: list[str] = []
         for stage in self.stages:
             if not isinstance(stage, Stage | KeyedStage):

@@ -208,7 +208,7 @@ class DataFrameStageKind(StageKind):
         new_state, output = self.stage.apply(input, state)
         # Before any Spark job: a state unlike its schema never reaches a checkpoint.
         _check_state_schema(self.stage, new_state)
-        # Materialise once and cut the lineage, so that state does not grow a plan of
+        # Compute once (checkpointed) and cut the lineage, so that state does not grow a plan of
         # every batch ever applied; the checkpoint then writes from these blocks.
         output = output.localCheckpoint(eager=True)
         rows = output.count()
@@ -274,7 +274,7 @@ class KeyedStageKind(StageKind):
 
     def prepare(self, state: KeyedStageState, pending: PendingLocation, *, full: bool
                 ) -> tuple[KeyedStageState, list[str]]:
-        """Rescale to the driver's parallelism, or materialise the ranges that are due (every
+        """Rescale to the driver's parallelism, or snapshot the ranges that are due (every
         range with ``full``)."""
         checkpoint_id, location = pending()
         state, results = self.driver.prepare(state, checkpoint_id, location.location_reference,
@@ -318,12 +318,12 @@ def stage_kinds(spark: SparkSession, storage: CheckpointStorage, pipeline: State
                 local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL) -> dict[str, StageKind]:
     """Each stage's kind, by name, in the pipeline's order. The keyed stages share one
     ``KeyedStageDriver`` (made only if there is one), on the pipeline's ``keyed_parallelism``
-    and ``materialisation`` (``KeyedStageDriver`` says what the other arguments are)."""
+    and ``full_snapshot`` (``KeyedStageDriver`` says what the other arguments are)."""
     driver = None
     if pipeline.keyed_stages:
         driver = KeyedStageDriver(
             spark, storage, job_id, pipeline.max_parallelism, pipeline.keyed_parallelism,
-            pipeline.materialisation, keyed_local_dir, after_write, keyed_local_max_age,
+            pipeline.full_snapshot, keyed_local_dir, after_write, keyed_local_max_age,
             local_lock_timeout=local_lock_timeout)
     kinds: dict[str, StageKind] = {}
     for stage in pipeline.stages:

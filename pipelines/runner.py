@@ -155,7 +155,7 @@ class CheckpointSummary:
     files_written: int
     inline_states: int
     state_rows: dict[str, int]
-    """Live rows per stage: a keyed stage's expired rows (kept until a materialisation drops
+    """Live rows per stage: a keyed stage's expired rows (kept until a full snapshot drops
     them) are in ``expired_rows``, not here."""
     expired_rows: dict[str, int | None] = field(default_factory=dict)
     """Rows per stage that the TTL had expired, not dropped yet (0 for a DataFrame stage;
@@ -224,7 +224,7 @@ class StatefulRunner:
     ``fault_hook(point, **info)`` is a test seam called at ``batch_applied`` and
     ``before_metadata``; ``task_after_write(subtask, attempt)`` runs on the executors after a
     state file is written (a keyed stage's: subtask = range, after a change file or
-    materialisation and the local store's update)."""
+    full snapshot and the local store's update)."""
 
     def __init__(
         self,
@@ -274,7 +274,7 @@ class StatefulRunner:
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None
-        # Whether keyed state was prepared (materialised or rescaled where due) since the
+        # Whether keyed state was prepared (snapshotted or rescaled where due) since the
         # last checkpoint: done once per interval, before anything is written into it.
         self._interval_prepared = False
         # Whether the next interval must snapshot keyed state whole: after a restore of a
@@ -491,7 +491,7 @@ class StatefulRunner:
             # Pinning it first would cost two Spark jobs per batch.
             outputs, count = {SOURCE: data}, None
         else:
-            # Materialise once: every stage reading the source sees the same rows.
+            # Compute once (cached): every stage reading the source sees the same rows.
             outputs = {SOURCE: data.localCheckpoint(eager=True)}
             count = outputs[SOURCE].count()
         notes: list[str] = []
@@ -555,7 +555,7 @@ class StatefulRunner:
 
     def _prepare_interval(self, states: dict) -> list[str]:
         """Once per checkpoint interval, before its first write: rescale keyed state to this
-        runner's parallelism, and materialise the ranges that are due (every range after a
+        runner's parallelism, and snapshot the ranges that are due (every range after a
         restore of a savepoint or a NO_CLAIM restore, so that the next checkpoint references
         no file of the restored snapshot). Returns notes on local stores rebuilt meanwhile."""
         writing = [k for k in self._kinds.values() if k.writes_between_checkpoints]
@@ -761,8 +761,8 @@ class StatefulRunner:
                 + self._restore_advice(partition, {_handle_key(p.handle) for p in problems
                                                    if p.handle is not None}))
         for damage in self._damaged:
-            logger.warning("%s: %s does not verify; its range is re-materialised from a local "
-                           "store before the first batch", pointer, damage)
+            logger.warning("%s: %s does not verify; a new full snapshot of its range is written "
+                           "from a local store before the first batch", pointer, damage)
 
     def _repair(self, states: dict, origin: str, partition: str) -> str:
         """Start new chains for the damaged keyed ranges from the local stores that hold their
@@ -783,13 +783,13 @@ class StatefulRunner:
             bad = {_handle_key(p.handle) for d in self._damaged for p in d.problems}
             raise CorruptStateError(
                 f"{origin} cannot be restored: state files do not verify and no local store "
-                "on the executors holds the state of their range to re-materialise it from (a "
-                f"cold run, or the stores are elsewhere): {'; '.join(map(str, unserved))}. "
+                "on the executors holds the state of their range to write a new full snapshot "
+                f"from (a cold run, or the stores are elsewhere): {'; '.join(map(str, unserved))}. "
                 + self._restore_advice(partition, bad))
         repaired = ", ".join(f"{d.stage} key groups {d.key_groups}" for d in self._damaged)
         self._damaged = []
-        return (f"re-materialised {repaired} from local stores: {origin} has state files that "
-                "do not verify, which no later checkpoint references")
+        return (f"wrote new full snapshots of {repaired} from local stores: {origin} has state "
+                "files that do not verify, which no later checkpoint references")
 
     def _restore_advice(self, partition: str, bad: set) -> str:
         """What to restore instead: the newest retained checkpoint whose files verify (and the
@@ -855,7 +855,7 @@ class StatefulRunner:
         advice = self._restore_advice(partition, {_handle_key(p.handle) for p in problems
                                                   if p.handle is not None})
         if damaged and all(d.keyed for d in damaged):
-            return ("The next run re-materialises "
+            return ("The next run writes new full snapshots of "
                     + ", ".join(f"{d.stage} key groups {d.key_groups}" for d in damaged)
                     + " from local stores that hold their chains (warm executors) before its "
                     "first batch, so that no later checkpoint references these files; without "

@@ -14,7 +14,7 @@ is read. A part is plain data, so a part can be read on another machine (the Spa
 source reads one per task).
 
 Keyed stages (``CHAIN_FORMAT``, ``keyed-v1``) have one part per key group range: the range's
-chain (its materialisation, then its change files) replayed, every file verified as a
+chain (its full snapshot, then its change files) replayed, every file verified as a
 DataFrame stage's are. They return the state schema's columns only, and under a TTL never
 the rows that had expired when the snapshot was taken (event time: against the stage's clock
 recorded in the snapshot; processing time: against the snapshot's timestamp).

@@ -249,7 +249,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
                 description="The state files validate (size and CRC-32, read whole): after a "
                 "materialization, every file its checkpoints newly reference, and the whole "
                 "last checkpoint it wrote, restored with each stage's rows as recorded, when "
-                "the run started a keyed chain anew (materialised) or the state is not keyed; "
+                "the run started a keyed chain anew (snapshotted) or the state is not keyed; "
                 "run alone, the whole newest checkpoint with a `_metadata`. A file that does "
                 "not verify is named with its stage, key-group range and what the next run "
                 "does about it.",
@@ -377,7 +377,7 @@ def _run_scope(
         for op in m.operator_states
         for s in op.subtask_states.values()
     ):
-        why = "the run materialised keyed ranges (a new chain starts)"
+        why = "the run snapshotted keyed ranges (a new chain starts)"
     else:
         why = None
     return list(new.values()), metadatas, why
@@ -394,8 +394,8 @@ def integrity_check_result(
     the pipeline with a `_metadata`, which must be a valid one of ours, not corrupt, foreign
     or unreadable). After a run (``results``): every file its checkpoints newly reference
     verifies (size and CRC-32); the whole checkpoint at ``pointer`` verifies and restores with
-    each stage's rows as recorded when the run materialised a keyed range (once per
-    materialisation cycle, when the chain is shortest) or the state is not keyed. Alone: the
+    each stage's rows as recorded when the run snapshotted a keyed range (once per
+    full snapshot cycle, when the chain is shortest) or the state is not keyed. Alone: the
     whole checkpoint. A file that does not verify fails the check (ERROR) with its stage,
     key-group range and what the next run does. Read-only: it never deletes or creates
     anything."""

@@ -20,7 +20,7 @@ Stages, the source and the sinks are named by import path, with parameters::
         - import: pipelines.ParquetSink
           params: {name: sessions, stage: sessions, url: "{{ env('PAGE_VIEWS_DIR') }}/sessions"}
       checkpoint_interval: 2
-      # keyed stages: max_parallelism, keyed_parallelism, materialisation: {every, ratio,
+      # keyed stages: max_parallelism, keyed_parallelism, full snapshot: {every, ratio,
       # min_bytes}
 
 An import path is ``package.module.attribute`` (or ``package.module:attribute``). With
@@ -40,7 +40,7 @@ from typing import Annotated, Any
 import dagster as dg
 from pydantic import Field
 
-from pipelines import KeyedStage, MaterialisationPolicy, Sink, Source, Stage, StatefulPipeline
+from pipelines import FullSnapshotPolicy, KeyedStage, Sink, Source, Stage, StatefulPipeline
 from pipelines.keyed import DEFAULT_MAX_PARALLELISM
 from sensors._definitions import pipeline_definitions
 
@@ -155,12 +155,12 @@ class StatefulPipelineScaffolder(dg.Scaffolder):
         )
 
 
-class MaterialisationSpec(dg.Model):
-    """A keyed stage's materialisation policy (``pipelines.MaterialisationPolicy``)."""
+class FullSnapshotSpec(dg.Model):
+    """A keyed stage's full snapshot policy (``pipelines.FullSnapshotPolicy``)."""
 
-    every: int | None = MaterialisationPolicy.every
-    ratio: float = MaterialisationPolicy.ratio
-    min_bytes: int = MaterialisationPolicy.min_bytes
+    every: int | None = FullSnapshotPolicy.every
+    ratio: float = FullSnapshotPolicy.ratio
+    min_bytes: int = FullSnapshotPolicy.min_bytes
 
 
 @dg.scaffold_with(StatefulPipelineScaffolder)
@@ -181,7 +181,7 @@ class StatefulPipelineComponent(dg.Component, dg.Model, dg.Resolvable):
     automation_status: str = "RUNNING"
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     keyed_parallelism: int | None = None
-    materialisation: MaterialisationSpec = MaterialisationSpec()
+    full_snapshot: FullSnapshotSpec = FullSnapshotSpec()
 
     def pipeline(self) -> StatefulPipeline:
         return StatefulPipeline(
@@ -195,7 +195,7 @@ class StatefulPipelineComponent(dg.Component, dg.Model, dg.Resolvable):
             description=self.description,
             max_parallelism=self.max_parallelism,
             keyed_parallelism=self.keyed_parallelism,
-            materialisation=MaterialisationPolicy(**self.materialisation.model_dump()),
+            full_snapshot=FullSnapshotPolicy(**self.full_snapshot.model_dump()),
         )
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:

@@ -44,7 +44,7 @@ PUBLIC = {
     },
     "pipelines": {
         # the pipeline spec and its stages
-        "SOURCE", "KeyedResult", "KeyedStage", "MaterialisationPolicy", "Stage",
+        "SOURCE", "KeyedResult", "KeyedStage", "FullSnapshotPolicy", "Stage",
         "StatefulPipeline", "StateTtl", "TtlTimeCharacteristic", "agg",
         # sources and sinks
         "FileSource", "ParquetSink", "Sink", "Source", "SparkReadSource", "SparkWriterSink",
@@ -67,7 +67,7 @@ PUBLIC = {
         # keyed state in checkpoints
         "CHAIN_FORMAT", "KEYED_STATE_PREFIX", "KeyedStateChain", "KeyedStateFormatError",
         "KeyedStateLayout", "chains_from_operator_state", "decode_keyed_master_state",
-        "read_change_file", "read_materialisation", "replay_chains",
+        "read_change_file", "read_full_snapshot", "replay_chains",
         # local stores
         "ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "local_store_directory",
         "sweep_idle_stores",

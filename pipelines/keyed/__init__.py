@@ -6,12 +6,12 @@ for those who look below a keyed stage: keys map to key groups (``assign_key_gro
 ``KeyGroupRange``, ``compute_key_group_range_for_operator_index``); each task keeps its range
 in a local ``KeyedStateStore`` (``local_store_directory``, ``sweep_idle_stores``) and writes
 its changes per batch as SHARED-scope change files; ``KeyedStateChain`` records, per range,
-the latest materialisation and the change files since (``chains_from_operator_state``,
-``read_change_file``, ``read_materialisation``, ``replay_chains``). See docs/design.md,
+the latest full snapshot and the change files since (``chains_from_operator_state``,
+``read_change_file``, ``read_full_snapshot``, ``replay_chains``). See docs/design.md,
 "Keyed state".
 
 The runner's machinery (``KeyedStageDriver``, ``apply_keyed_batch``,
-``materialise_keyed_state``, the writers of change files and materialisations, ...) and the
+``snapshot_keyed_state``, the writers of change files and full snapshots, ...) and the
 stage types ``pipelines`` exports stay importable from here, outside ``__all__``.
 """
 
@@ -25,7 +25,7 @@ from pipelines.keyed._chain import (
     chains_from_operator_state,
     decode_keyed_master_state,
     read_change_file,
-    read_materialisation,
+    read_full_snapshot,
     replay_chains,
 )
 from pipelines.keyed._key_groups import (
@@ -62,7 +62,7 @@ __all__ = [
     "chains_from_operator_state",
     "decode_keyed_master_state",
     "read_change_file",
-    "read_materialisation",
+    "read_full_snapshot",
     "replay_chains",
     # local stores
     "ArrowKeyedStateStore",
@@ -78,7 +78,7 @@ _ELSEWHERE = {
     "encode_keyed_master_state": "pipelines.keyed._chain",
     "rebuild_store": "pipelines.keyed._chain",
     "write_change_file": "pipelines.keyed._chain",
-    "write_materialisation": "pipelines.keyed._chain",
+    "write_full_snapshot": "pipelines.keyed._chain",
     "KeyedStageDriver": "pipelines.keyed._driver",
     "KeyedStageState": "pipelines.keyed._driver",
     "KEY_HASH": "pipelines.keyed._key_groups",
@@ -90,14 +90,14 @@ _ELSEWHERE = {
     "KeyedBatch": "pipelines.keyed._batch",
     "KeyedRangeResult": "pipelines.keyed._task",
     "KeyedStageTask": "pipelines.keyed._task",
-    "MaterialisationPolicy": "pipelines.keyed._batch",
+    "FullSnapshotPolicy": "pipelines.keyed._batch",
     "apply_keyed_batch": "pipelines.keyed._batch",
     "chain_version": "pipelines.keyed._task",
     "extend_chains": "pipelines.keyed._batch",
-    "materialise_keyed_state": "pipelines.keyed._batch",
-    "ranges_to_materialise": "pipelines.keyed._batch",
+    "snapshot_keyed_state": "pipelines.keyed._batch",
+    "ranges_to_snapshot": "pipelines.keyed._batch",
     "read_keyed_state": "pipelines.keyed._batch",
-    "rematerialise_from_local_stores": "pipelines.keyed._batch",
+    "snapshot_from_local_stores": "pipelines.keyed._batch",
     "KeyedResult": "pipelines.keyed._stage",
     "KeyedStage": "pipelines.keyed._stage",
     "StateTtl": "pipelines.keyed._stage",

@@ -1,6 +1,6 @@
 """A keyed stage's Spark jobs, driven from the driver: one batch (``apply_keyed_batch``), the
-materialisation of ranges, and reading the whole state; and the driver's bookkeeping of the
-chains (``extend_chains``, ``MaterialisationPolicy``) (docs/design.md, "Keyed state", 7.5).
+full snapshot of ranges, and reading the whole state; and the driver's bookkeeping of the
+chains (``extend_chains``, ``FullSnapshotPolicy``) (docs/design.md, "Keyed state", 7.5).
 """
 
 import datetime as dt
@@ -21,9 +21,9 @@ from pipelines.keyed._chain import (
 )
 from pipelines.keyed._executor import (
     _decode_output,
-    _materialise_ranges,
     _replay_ranges,
     _run_partition,
+    _snapshot_ranges,
     _spark_arrow_schema,
 )
 from pipelines.keyed._routing import (
@@ -47,13 +47,13 @@ from pipelines.keyed._task import (
 
 __all__ = [
     "KeyedBatch",
-    "MaterialisationPolicy",
+    "FullSnapshotPolicy",
     "apply_keyed_batch",
     "extend_chains",
-    "materialise_keyed_state",
-    "ranges_to_materialise",
+    "snapshot_keyed_state",
+    "ranges_to_snapshot",
     "read_keyed_state",
-    "rematerialise_from_local_stores",
+    "snapshot_from_local_stores",
 ]
 
 
@@ -120,11 +120,11 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     own), drops rows behind the clock minus the ``ttl`` and, with event-time expiry, expires
     state at it.
     ``task.chains`` must be range ``i`` of ``task.parallelism`` each: after a change of
-    parallelism, ``materialise_keyed_state`` the new ranges first."""
+    parallelism, ``snapshot_keyed_state`` the new ranges first."""
     if not task.is_aligned():
         raise ValueError(f"keyed stage {task.stage.name}: the chains are not the ranges of "
-                         f"parallelism {task.parallelism} (rescaled?); materialise the new "
-                         "ranges with materialise_keyed_state first")
+                         f"parallelism {task.parallelism} (rescaled?); snapshot the new "
+                         "ranges with snapshot_keyed_state first")
     missing = [k for k in task.stage.key if k not in input.columns]
     reserved = [f.name for f in _ROUTING_FIELDS]
     if missing or set(reserved) & set(input.columns):
@@ -169,7 +169,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
 def extend_chains(chains: Sequence[KeyedStateChain],
                   results: Sequence[KeyedRangeResult]) -> list[KeyedStateChain]:
     """The chains after a batch: each range with a change file gets it appended, a
-    materialised range restarts from its snapshot; ranges without rows stay as they were."""
+    snapshotted range restarts from its snapshot; ranges without rows stay as they were."""
     chains = list(chains)
     for result in results:
         chain = chains[result.operator_index]
@@ -185,8 +185,8 @@ def extend_chains(chains: Sequence[KeyedStateChain],
 
 
 @dataclass(frozen=True)
-class MaterialisationPolicy:
-    """When a range's chain is replaced by a snapshot (Flink's periodic materialisation):
+class FullSnapshotPolicy:
+    """When a range's chain is replaced by a snapshot (Flink's periodic full snapshot):
     when the change files since its base outgrow ``ratio`` times the base (at least
     ``min_bytes``, so that small states do not snapshot at every checkpoint), or after
     ``every`` change files if set. The base is the chain's snapshot, or, for a chain that
@@ -202,7 +202,7 @@ class MaterialisationPolicy:
 
     def __post_init__(self) -> None:
         if (self.every is not None and self.every < 1) or self.ratio <= 0 or self.min_bytes < 0:
-            raise ValueError(f"MaterialisationPolicy: every >= 1 (or None), ratio > 0 and "
+            raise ValueError(f"FullSnapshotPolicy: every >= 1 (or None), ratio > 0 and "
                              f"min_bytes >= 0, got {self}")
 
     def due(self, chain: KeyedStateChain) -> bool:
@@ -210,17 +210,17 @@ class MaterialisationPolicy:
             return False
         if self.every is not None and len(chain.changes) >= self.every:
             return True
-        if chain.materialisation is None:
+        if chain.full_snapshot is None:
             base, since = chain.changes[0].state_size, chain.changes[1:]
         else:
-            base, since = chain.materialisation.state_size, chain.changes
+            base, since = chain.full_snapshot.state_size, chain.changes
         changed = sum(h.state_size for h in since)
         return changed > self.ratio * max(base, self.min_bytes)
 
 
-def ranges_to_materialise(chains: Sequence[KeyedStateChain],
-                          policy: MaterialisationPolicy) -> list[int]:
-    """The operator indices whose chains the policy says to materialise now."""
+def ranges_to_snapshot(chains: Sequence[KeyedStateChain],
+                          policy: FullSnapshotPolicy) -> list[int]:
+    """The operator indices whose chains the policy says to snapshot now."""
     return [i for i, chain in enumerate(chains) if policy.due(chain)]
 
 
@@ -238,12 +238,12 @@ def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
     return spark.createDataFrame(rows, f"{OPERATOR_INDEX} int")
 
 
-def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
+def snapshot_keyed_state(spark: SparkSession, task: KeyedStageTask,
                             operator_indices: Sequence[int] | None = None, *,
                             adopt: bool = True) -> list[KeyedRangeResult]:
     """Write a snapshot of each range in ``operator_indices`` (all ranges if None) of
     ``task.parallelism``, one Spark task per range, expired rows left out. With ``adopt``
-    (periodic materialisation) ``extend_chains`` with the results resets their chains, and the
+    (periodic full snapshot) ``extend_chains`` with the results resets their chains, and the
     local stores hold the new chains; with ``task.chains`` of another parallelism this is
     rescaling: every new range is rebuilt from the chains it overlaps. Without ``adopt`` (a
     savepoint's full snapshot, written into ``task.reference``'s location) the stores and
@@ -251,12 +251,12 @@ def materialise_keyed_state(spark: SparkSession, task: KeyedStageTask,
     frame = _operator_index_frame(spark, task, operator_indices)
     if frame is None:
         return []
-    rows = frame.mapInArrow(partial(_materialise_ranges, task, adopt, False),
+    rows = frame.mapInArrow(partial(_snapshot_ranges, task, adopt, False),
                             from_arrow_schema(_RESULT_SCHEMA)).collect()
     return _results(task, rows)
 
 
-def rematerialise_from_local_stores(spark: SparkSession, task: KeyedStageTask,
+def snapshot_from_local_stores(spark: SparkSession, task: KeyedStageTask,
                                     operator_indices: Sequence[int]
                                     ) -> tuple[list[KeyedRangeResult], list[int]]:
     """Write a snapshot of each range in ``operator_indices`` from its executor's local store,
@@ -267,7 +267,7 @@ def rematerialise_from_local_stores(spark: SparkSession, task: KeyedStageTask,
     frame = _operator_index_frame(spark, task, operator_indices)
     if frame is None:
         return [], []
-    rows = frame.mapInArrow(partial(_materialise_ranges, task, True, True),
+    rows = frame.mapInArrow(partial(_snapshot_ranges, task, True, True),
                             from_arrow_schema(_RESULT_SCHEMA)).collect()
     missing = sorted({row["operator_index"] for row in rows if row["row_kind"] == _NO_LOCAL_STORE})
     return _results(task, [r for r in rows if r["row_kind"] != _NO_LOCAL_STORE]), missing
@@ -278,7 +278,7 @@ def read_keyed_state(spark: SparkSession, task: KeyedStageTask, *,
     """The state of every range of ``task.parallelism`` as a DataFrame of the stage's state
     schema, replayed from ``task.chains`` on the executors (one task per range). Rows expired
     at ``task.now`` are left out, as a stage never sees them, unless ``include_expired`` (the
-    rows a checkpoint holds until the next materialisation drops them, which its recorded
+    rows a checkpoint holds until the next full snapshot drops them, which its recorded
     row counts include)."""
     frame = _operator_index_frame(spark, task, None)
     target = _spark_arrow_schema(task.stage.state_schema)

@@ -1,4 +1,4 @@
-"""Keyed state on checkpoint storage: change files, materialisations and the chain that
+"""Keyed state on checkpoint storage: change files, full snapshots and the chain that
 ties them to a checkpoint.
 
 - A **change file** holds one batch's changes to one key group range: a Parquet file with
@@ -6,19 +6,19 @@ ties them to a checkpoint.
   with ``_deleted`` false; a delete carries the key columns, ``_deleted`` true and nulls
   elsewhere (value columns are nullable in the file for that reason). A key appears at most
   once per file.
-- A **materialisation** is the whole state of a key group range: a Parquet file with the
+- A **full snapshot** is the whole state of a key group range: a Parquet file with the
   stored columns and ``_key_group``, sorted by key group (so a reader of a narrower range
   skips row groups by their statistics), readable by DuckDB and pandas as it is.
-- A **chain** (``KeyedStateChain``) is, per key group range, the latest materialisation (or
+- A **chain** (``KeyedStateChain``) is, per key group range, the latest full snapshot (or
   none: empty state) and the change files written since, oldest first. Its state is the
-  materialisation with the changes replayed in order: a later row for a key wins, a delete
+  full snapshot with the changes replayed in order: a later row for a key wins, a delete
   removes it. In `_metadata` a chain is one ``OperatorSubtaskState``: its handles are the
-  materialisation (if any) then the change files, its properties say which is which and the
+  full snapshot (if any) then the change files, its properties say which is which and the
   key group range, so it is stored without pickle by the storage layer's own encoding.
 
 Both files are written as SHARED-scope state streams through the worker view
 (``CheckpointStreamFactory.create_checkpoint_state_output_stream``): later checkpoints
-reference them until the next materialisation, and the shared-state registry keeps them
+reference them until the next full snapshot, and the shared-state registry keeps them
 exactly as long as a retained checkpoint does. Each file's Parquet key-value metadata names
 its kind, format version, key columns, key hash, max parallelism and key group range; a
 reader checks them, so a file of another stage or range is refused instead of misread.
@@ -66,20 +66,20 @@ __all__ = [
     "chains_from_operator_state",
     "chains_to_operator_state",
     "read_change_file",
-    "read_materialisation",
+    "read_full_snapshot",
     "rebuild_store",
     "replay_chains",
     "write_change_file",
-    "write_materialisation",
+    "write_full_snapshot",
 ]
 
 CHAIN_FORMAT = "keyed-v1"
 """The ``state-format/<stage>`` master state of a keyed stage: its state is chains of
-change files and materialisations."""
+change files and full snapshots."""
 DELETED = "_deleted"
 _META_KEY = b"keyed_state"
 _CHANGE = "change"
-_MATERIALISATION = "materialisation"
+_FULL_SNAPSHOT = "materialisation"  # the persisted file kind: its name stays, files keep reading
 # zstd, not the stage state files' snappy (pipelines/state_io.py): a keyed stage writes every
 # batch, so bytes per batch are its checkpoint cost; zstd halves them (and the bytes a rebuild
 # reads) for ~25 ms more per 500k rows written (benchmarks/state_growth.py). No dictionaries:
@@ -90,7 +90,7 @@ _ROW_GROUP_ROWS = 1 << 16
 
 _P_FORMAT = "keyed.format"
 _P_KEY_GROUPS = "keyed.key_groups"
-_P_MATERIALISED = "keyed.materialised"
+_P_FULL_SNAPSHOT = "keyed.materialised"  # persisted: its name stays
 _P_ROWS = "rows"  # the same property a DataFrame stage's subtask records
 _P_EXPIRED_ROWS = "expired_rows"  # of those, expired by the TTL and not dropped yet
 
@@ -111,18 +111,18 @@ def _describe(handle: StreamStateHandle) -> str:
 
 @dataclass(frozen=True)
 class KeyedStateChain:
-    """One key group range's state in a checkpoint: the latest materialisation (None: the
+    """One key group range's state in a checkpoint: the latest full snapshot (None: the
     range had no state when the chain started) and the change files since, oldest first."""
 
     key_groups: KeyGroupRange
-    materialisation: StreamStateHandle | None
+    full_snapshot: StreamStateHandle | None
     changes: tuple[StreamStateHandle, ...] = ()
     rows: int | None = None
     """The range's state rows at the end of the chain (expired rows not yet dropped count),
     recorded as the subtask property ``rows`` like a DataFrame stage's; None when unknown."""
     expired_rows: int | None = None
     """Of ``rows``, those the stage's TTL had expired when the range's last task ran (they
-    stay until a materialisation drops them), subtask property ``expired_rows``; None when
+    stay until a full snapshot drops them), subtask property ``expired_rows``; None when
     unknown (checkpoints written before it was recorded)."""
 
     def __post_init__(self) -> None:
@@ -130,19 +130,19 @@ class KeyedStateChain:
 
     def appended(self, change: StreamStateHandle, rows: int | None = None,
                  expired_rows: int | None = None) -> "KeyedStateChain":
-        return KeyedStateChain(self.key_groups, self.materialisation, (*self.changes, change),
+        return KeyedStateChain(self.key_groups, self.full_snapshot, (*self.changes, change),
                                rows, expired_rows)
 
     @property
     def handles(self) -> tuple[StreamStateHandle, ...]:
-        first = () if self.materialisation is None else (self.materialisation,)
+        first = () if self.full_snapshot is None else (self.full_snapshot,)
         return (*first, *self.changes)
 
     def to_subtask_state(self) -> OperatorSubtaskState:
         properties = {
             _P_FORMAT: CHAIN_FORMAT,
             _P_KEY_GROUPS: str(self.key_groups),
-            _P_MATERIALISED: "true" if self.materialisation is not None else "false",
+            _P_FULL_SNAPSHOT: "true" if self.full_snapshot is not None else "false",
         }
         if self.rows is not None:
             properties[_P_ROWS] = str(self.rows)
@@ -156,17 +156,17 @@ class KeyedStateChain:
         if properties.get(_P_FORMAT) != CHAIN_FORMAT:
             raise KeyedStateFormatError(
                 f"{where}: not keyed state of format {CHAIN_FORMAT} (properties {properties})")
-        materialised = properties.get(_P_MATERIALISED)
-        if materialised not in ("true", "false") or (materialised == "true"
+        snapshotted = properties.get(_P_FULL_SNAPSHOT)
+        if snapshotted not in ("true", "false") or (snapshotted == "true"
                                                       and not state.handles):
-            raise KeyedStateFormatError(f"{where}: invalid {_P_MATERIALISED}={materialised!r}")
+            raise KeyedStateFormatError(f"{where}: invalid {_P_FULL_SNAPSHOT}={snapshotted!r}")
         try:
             key_groups = KeyGroupRange.parse(properties.get(_P_KEY_GROUPS, ""))
         except ValueError as exc:
             raise KeyedStateFormatError(f"{where}: {exc}") from exc
         rows, expired = (_count_property(properties, name, where)
                          for name in (_P_ROWS, _P_EXPIRED_ROWS))
-        if materialised == "true":
+        if snapshotted == "true":
             return cls(key_groups, state.handles[0], state.handles[1:], rows, expired)
         return cls(key_groups, None, state.handles, rows, expired)
 
@@ -309,20 +309,20 @@ def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout
         columns[DELETED] = pa.repeat(deleted, rows.num_rows)
         parts.append(pa.table(columns, schema=schema))
     # sorted by key group (readers of part of the range skip row groups, and the key group
-    # column compresses to almost nothing), then by key hash: a materialisation's order, so
+    # column compresses to almost nothing), then by key hash: a full snapshot's order, so
     # a first load is a store's segment as it is read
     order = group_hash_order(np.concatenate(key_groups_of_rows), np.concatenate(hashes))
     table = pa.concat_tables(parts).take(pa.array(order))
     return _write(factory, schema, [table], name_prefix)
 
 
-def write_materialisation(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
+def write_full_snapshot(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
                           key_groups: KeyGroupRange, batches: Iterable[pa.RecordBatch],
                           name_prefix: str = "") -> StreamStateHandle:
-    """Write the whole state of a key group range as a SHARED-scope materialisation:
+    """Write the whole state of a key group range as a SHARED-scope full snapshot:
     ``batches`` of stored rows with ``_key_group``, sorted by key group, as
     ``KeyedStateStore.sorted_batches`` yields them (checked as they stream)."""
-    schema = _file_schema(layout, _MATERIALISATION, key_groups)
+    schema = _file_schema(layout, _FULL_SNAPSHOT, key_groups)
     return _write(factory, schema, _checked_sorted(batches, key_groups), name_prefix)
 
 
@@ -332,11 +332,11 @@ def _checked_sorted(batches: Iterable[pa.RecordBatch], key_groups: KeyGroupRange
         if not batch.num_rows:
             continue
         if KEY_GROUP not in batch.schema.names:
-            raise ValueError(f"materialisation of key groups {key_groups}: rows need a "
+            raise ValueError(f"full snapshot of key groups {key_groups}: rows need a "
                              f"{KEY_GROUP} column (use KeyedStateStore.sorted_batches)")
         groups = batch.column(KEY_GROUP).to_numpy()
         if groups[0] < previous or (np.diff(groups) < 0).any() or groups[-1] > key_groups.end:
-            raise ValueError(f"materialisation of key groups {key_groups}: rows must be sorted "
+            raise ValueError(f"full snapshot of key groups {key_groups}: rows must be sorted "
                              "by key group and inside the range (use "
                              "KeyedStateStore.sorted_batches)")
         previous = int(groups[-1])
@@ -419,13 +419,13 @@ def read_change_file(handle: StreamStateHandle, layout: KeyedStateLayout,
     return upserts, deletes
 
 
-def read_materialisation(handle: StreamStateHandle, layout: KeyedStateLayout,
+def read_full_snapshot(handle: StreamStateHandle, layout: KeyedStateLayout,
                          key_groups: KeyGroupRange, wanted: KeyGroupRange | None = None,
                          *, read_bytes: ReadBytes | None = None) -> pa.Table:
-    """The stored rows of a materialisation (of ``wanted`` key groups only, if given).
+    """The stored rows of a full snapshot (of ``wanted`` key groups only, if given).
     ``read_bytes``: how to read the handle (default: its ``open()``, which verifies it)."""
     return layout.conform(
-        _read(handle, layout, _MATERIALISATION, key_groups, wanted, read_bytes),
+        _read(handle, layout, _FULL_SNAPSHOT, key_groups, wanted, read_bytes),
         _describe(handle))
 
 
@@ -435,8 +435,8 @@ def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyG
     in the file's order) and the last change per key since (change file rows with
     ``_deleted``; None: no changes)."""
     changes_after = chain.changes
-    if chain.materialisation is not None:
-        base = read_materialisation(chain.materialisation, layout, chain.key_groups, wanted,
+    if chain.full_snapshot is not None:
+        base = read_full_snapshot(chain.full_snapshot, layout, chain.key_groups, wanted,
                                     read_bytes=read_bytes)
     elif chain.changes:
         # A chain that started empty: its first change file applied to no state, so its
@@ -458,7 +458,7 @@ def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyG
 def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
                   wanted: KeyGroupRange, *, read_bytes: ReadBytes | None = None) -> pa.Table:
     """The state of the ``wanted`` key groups from the chains that overlap them: each chain's
-    materialisation, then its change files in order (a later row for a key wins, a delete
+    full snapshot, then its change files in order (a later row for a key wins, a delete
     removes it). Rescaling is this with the new task's range: chains are disjoint, so each
     key comes from exactly one chain. ``read_bytes``: how to read a handle (default: its
     ``open()``, which verifies its size and CRC-32; a missing file is a FileNotFoundError,
@@ -486,7 +486,7 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
     """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
     holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
     finds no store for its range, a stale one, or one it cannot read. The chains' bases load
-    as the segment in the order they were written (a materialisation's), and their changes
+    as the segment in the order they were written (a full snapshot's), and their changes
     since apply on top, so the rebuild neither joins nor sorts the whole state."""
     bases, changes = [], []
     for chain in sorted(chains, key=lambda c: c.key_groups.start):

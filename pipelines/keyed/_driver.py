@@ -1,10 +1,10 @@
 """A keyed stage in a run, on the driver: its chains between checkpoints, its event-time
-clock, when its ranges are materialised or rescaled, and what a checkpoint records of it
+clock, when its ranges are snapshotted or rescaled, and what a checkpoint records of it
 (docs/design.md, "Keyed state", 7.6).
 
 The runner holds one ``KeyedStageState`` per keyed stage where it holds a DataFrame for a
 DataFrame stage, and calls ``KeyedStageDriver`` to restore, prepare, apply and snapshot it.
-Materialisation happens only at the start of a checkpoint interval, when every change file in
+Full snapshot happens only at the start of a checkpoint interval, when every change file in
 the chains is referenced by the last completed checkpoint: a snapshot never supersedes a file
 no checkpoint referenced, so nothing is written that only garbage collection would remove.
 """
@@ -24,14 +24,14 @@ from checkpoint_storage.spi import (
     OperatorState,
 )
 from pipelines.keyed._batch import (
+    FullSnapshotPolicy,
     KeyedBatch,
-    MaterialisationPolicy,
     apply_keyed_batch,
     extend_chains,
-    materialise_keyed_state,
-    ranges_to_materialise,
+    ranges_to_snapshot,
     read_keyed_state,
-    rematerialise_from_local_stores,
+    snapshot_from_local_stores,
+    snapshot_keyed_state,
 )
 from pipelines.keyed._chain import (
     CHAIN_FORMAT,
@@ -109,13 +109,13 @@ def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain
 class KeyedStageDriver:
     """Runs a pipeline's keyed stages for one runner: ``parallelism`` ranges per stage (None:
     Spark's default parallelism; a restore at another parallelism is rescaled by
-    materialising the new ranges), ``policy`` for periodic materialisation, local stores
+    snapshotting the new ranges), ``policy`` for periodic full snapshot, local stores
     below ``local_dir`` on each executor (None: its temp directory), removed there once not
     written for ``local_max_age`` (None: never); a task waits at most ``local_lock_timeout``
     for a store's lock (the runner's lease ttl), then runs on a private copy of the store."""
 
     def __init__(self, spark: SparkSession, storage: CheckpointStorage, job_id: str,
-                 max_parallelism: int, parallelism: int | None, policy: MaterialisationPolicy,
+                 max_parallelism: int, parallelism: int | None, policy: FullSnapshotPolicy,
                  local_dir: str | None = None, after_write=None,
                  local_max_age: dt.timedelta | None = DEFAULT_LOCAL_STORE_MAX_AGE,
                  local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL) -> None:
@@ -215,19 +215,19 @@ class KeyedStageDriver:
                 reference: CheckpointStorageLocationReference, *, full: bool = False
                 ) -> tuple[KeyedStageState, list[KeyedRangeResult]]:
         """At the start of a checkpoint interval: rescale to this driver's parallelism, or
-        materialise every range (``full``: e.g. after a NO_CLAIM restore, whose shared files
+        snapshot every range (``full``: e.g. after a NO_CLAIM restore, whose shared files
         the next checkpoint must not reference), or the ranges the policy says are due.
         Snapshots are written into checkpoint ``checkpoint_id``'s shared state."""
         now = self._now(state)
         if full or state.parallelism != self.parallelism:
             task = self._task(state, checkpoint_id, reference, 0, now, self.parallelism)
-            results = materialise_keyed_state(self.spark, task)
+            results = snapshot_keyed_state(self.spark, task)
             return replace(state, chains=_results_as_chains(results)), results
-        due = ranges_to_materialise(state.chains, self.policy)
+        due = ranges_to_snapshot(state.chains, self.policy)
         if not due:
             return state, []
         task = self._task(state, checkpoint_id, reference, 0, now)
-        results = materialise_keyed_state(self.spark, task, due)
+        results = snapshot_keyed_state(self.spark, task, due)
         return replace(state, chains=tuple(extend_chains(state.chains, results))), results
 
     def repair(self, state: KeyedStageState, operator_indices: list[int], checkpoint_id: int,
@@ -239,7 +239,7 @@ class KeyedStageDriver:
         state. Returns the new state, the results and the ranges no local store could serve
         (their chains are unchanged: the caller must not go on with them)."""
         task = self._task(state, checkpoint_id, reference, 0, self._now(state))
-        results, missing = rematerialise_from_local_stores(self.spark, task, operator_indices)
+        results, missing = snapshot_from_local_stores(self.spark, task, operator_indices)
         return replace(state, chains=tuple(extend_chains(state.chains, results))), results, missing
 
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
@@ -262,7 +262,7 @@ class KeyedStageDriver:
         ``reference``'s location, expired rows left out; the run's chains and local stores
         are untouched."""
         task = self._task(state, checkpoint_id, reference, 0, self._now(state))
-        results = materialise_keyed_state(self.spark, task, adopt=False)
+        results = snapshot_keyed_state(self.spark, task, adopt=False)
         return replace(state, chains=_results_as_chains(results))
 
     def frame(self, state: KeyedStageState, *, include_expired: bool = False) -> DataFrame:

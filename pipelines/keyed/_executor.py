@@ -1,6 +1,6 @@
 """What runs on the executors for a keyed stage: the body of one range's task for a batch
 (bring the local store to the shipped chain, run the stage, write the change file), for a
-materialisation (write a snapshot of the range) and for a replay (read the range's state)
+full snapshot (write a snapshot of the range) and for a replay (read the range's state)
 (docs/design.md, "Keyed state", 7.5).
 """
 
@@ -19,7 +19,7 @@ from pipelines.keyed._chain import (
     KeyedStateChain,
     replay_chains,
     write_change_file,
-    write_materialisation,
+    write_full_snapshot,
 )
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
@@ -44,7 +44,7 @@ from pipelines.keyed._stage import TtlTimeCharacteristic
 from pipelines.keyed._task import (
     _CHANGE,
     _EPOCH,
-    _MATERIALISATION,
+    _FULL_SNAPSHOT,
     _NO_LOCAL_STORE,
     _OUTPUT,
     _OUTPUT_ROWS_PER_PAYLOAD,
@@ -62,7 +62,7 @@ from pipelines.keyed._task import (
 def _change_file_storage(storage: CheckpointStorage,
                          chain: KeyedStateChain) -> CheckpointStorage:
     """The storage a range's next change file is written through. An inline change file is
-    repeated in every ``_metadata`` until its chain is materialised, so the inline change
+    repeated in every ``_metadata`` until its chain is snapshotted, so the inline change
     files of a chain share one inline threshold: past it, change files go to files."""
     if not isinstance(storage, FileSystemCheckpointStorage):
         return storage
@@ -217,7 +217,7 @@ def _unexpired(batches: Iterator[pa.RecordBatch], layout: KeyedStateLayout,
         yield batch
 
 
-def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
+def _snapshot_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
                         batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: for each operator index, bring the local store to the shipped
     chains (rebuilding it from them, e.g. another parallelism's) and write a sorted snapshot
@@ -247,7 +247,7 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
                 factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                                      task.reference)
                 written = [0]
-                handle = write_materialisation(
+                handle = write_full_snapshot(
                     factory, layout, key_groups,
                     _unexpired(store.sorted_batches(), layout, cutoff, written),
                     _file_prefix(task, key_groups, "m", attempt))
@@ -260,7 +260,7 @@ def _materialise_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
                 task.after_write(operator_index, attempt)
             stats["state_rows"] = written[0]
             stats["expired_rows"] = 0  # the snapshot leaves expired rows out
-            row = _handle_row(_MATERIALISATION, operator_index, attempt, handle, written[0],
+            row = _handle_row(_FULL_SNAPSHOT, operator_index, attempt, handle, written[0],
                               stats)
             yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)
 

@@ -7,9 +7,9 @@ docs/design.md "Keyed state"): a *segment*, an Arrow IPC file memory-mapped (the
 system pages it, so state may exceed memory), plus *runs*: one small Arrow file per batch of
 changes (upserts and deletes, each key once, sorted by key hash), memory-mapped too.
 
-The segment is in the order of a materialisation, by key group then key hash, with each key
-group's first row in the manifest; so a rebuild loads a materialisation as it is read, and a
-materialisation of a store without runs writes the segment as it is. A lookup hashes the
+The segment is in the order of a full snapshot, by key group then key hash, with each key
+group's first row in the manifest; so a rebuild loads a full snapshot as it is read, and a
+full snapshot of a store without runs writes the segment as it is. A lookup hashes the
 batch's keys and binary-searches the runs, newest first, then the segment inside each key's
 key group, with numpy: a batch costs what its keys cost, whatever the size of the state. Past
 ``max_runs`` runs, they compact into one; when the runs outgrow ``merge_ratio`` of the
@@ -74,7 +74,7 @@ class KeyedStateStore(ABC):
     ``get`` returns the state rows of some keys; ``apply`` upserts and deletes rows and
     records which change it was (``version``: the caller's name for the state it now holds,
     e.g. the checkpoint chain position); ``sorted_batches`` iterates the whole state sorted by
-    key group then key hash (a materialisation); ``drop_expired`` removes rows expired by the
+    key group then key hash (a full snapshot); ``drop_expired`` removes rows expired by the
     stage's TTL. ``close`` keeps the directory for the next task; ``destroy`` removes it.
     """
 
@@ -121,7 +121,7 @@ class KeyedStateStore(ABC):
     @abstractmethod
     def expired_rows(self, cutoff) -> int:
         """How many of the ``num_rows`` rows the stage's TTL expired by ``cutoff`` (kept until
-        a materialisation drops them); 0 without a TTL."""
+        a full snapshot drops them); 0 without a TTL."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -440,7 +440,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         hashes = hashes[rows]
         return table.take(pa.array(rows[np.argsort(hashes, kind="stable")])).combine_chunks()
 
-    def _materialised(self) -> tuple[pa.Table, np.ndarray]:
+    def _as_full_snapshot(self) -> tuple[pa.Table, np.ndarray]:
         """The whole state (segment schema) in (key group, hash) order, and its key group
         offsets: the segment without the keys the runs changed, the runs' live rows merged
         in at their places."""
@@ -488,7 +488,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 - self.key_groups.start)
 
     def sorted_batches(self, max_rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
-        table, offsets = self._materialised()
+        table, offsets = self._as_full_snapshot()
         groups = np.repeat(np.arange(self.key_groups.start, self.key_groups.end + 1,
                                      dtype=np.int16), np.diff(offsets))
         table = table.append_column(KEY_GROUP, pa.array(groups))
@@ -534,7 +534,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
             # merged at once: never written as a run, nor sorted as one
             if self._runs:
                 self._runs.append(_Run("", change, hashes, ~upserted))
-                merged = self._materialised()
+                merged = self._as_full_snapshot()
             else:  # the lookup above found the segment rows the change replaces
                 merged = self._merged(change, row[source == _IN_SEGMENT])
             self._write_segment(*merged, version)
@@ -569,7 +569,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         rows = self._with_hashes(rows, "rows").select(self._segment_schema.names)
         hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
         groups = self._groups_of(hashes)
-        # a materialisation (or a change file) comes in (key group, hash) order already
+        # a full snapshot (or a change file) comes in (key group, hash) order already
         in_order = bool(np.all((groups[1:] > groups[:-1])
                                | ((groups[1:] == groups[:-1]) & (hashes[1:] >= hashes[:-1]))))
         if not in_order:
@@ -614,7 +614,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def drop_expired(self, cutoff, *, version: str | None = None) -> pa.Table:
         if self.layout.ttl is None:
             return self.layout.key_schema.empty_table()
-        table, offsets = self._materialised()
+        table, offsets = self._as_full_snapshot()
         expired = _numpy(self.layout.ttl.expired(table, cutoff)) if table.num_rows else \
             np.zeros(0, bool)
         keys = table.filter(pa.array(expired)).select(list(self.layout.key))
@@ -751,7 +751,7 @@ class _Run:
 
 
 def group_hash_order(groups: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-    """The permutation that sorts rows by key group, then key hash: a materialisation's order.
+    """The permutation that sorts rows by key group, then key hash: a full snapshot's order.
     By hash, then stably by key group as int16 (numpy's radix sort): about 3x faster than
     Arrow's sort_by or numpy's lexsort."""
     order = np.argsort(hashes)

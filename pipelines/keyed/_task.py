@@ -1,5 +1,5 @@
 """A keyed stage's task: what travels from the driver to the executors for one batch (or one
-materialisation) of a keyed stage, and what comes back (docs/design.md, "Keyed state", 7.5).
+full snapshot) of a keyed stage, and what comes back (docs/design.md, "Keyed state", 7.5).
 
 Only plain, picklable values travel to executors: the ``CheckpointStorage`` config, ids, the
 location reference, the stage (its function pickled by cloudpickle, as Spark does) and the
@@ -47,12 +47,12 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 _OUTPUT = "output"
 _CHANGE = "change"
-_MATERIALISATION = "materialisation"
+_FULL_SNAPSHOT = "full_snapshot"
 _SUMMARY = "summary"
 _NO_LOCAL_STORE = "no_local_store"  # a range whose local store does not hold its chain
 _OUTPUT_ROWS_PER_PAYLOAD = 1 << 16
 _RESULT_SCHEMA = pa.schema([
-    # "output" (payload), "change"/"materialisation" (handle) or "summary" (the batch's
+    # "output" (payload), "change"/"full_snapshot" (handle) or "summary" (the batch's
     # rows and newest event time, as a range's task saw them)
     ("row_kind", pa.string()),
     ("operator_index", pa.int32()),
@@ -85,14 +85,14 @@ class ChainRef:
 
     start: int
     end: int
-    materialisation: StateHandleRef | None
+    full_snapshot: StateHandleRef | None
     changes: tuple[StateHandleRef, ...] = ()
 
     @classmethod
     def of(cls, chain: KeyedStateChain) -> "ChainRef":
         return cls(chain.key_groups.start, chain.key_groups.end,
-                   None if chain.materialisation is None
-                   else StateHandleRef.of(chain.materialisation),
+                   None if chain.full_snapshot is None
+                   else StateHandleRef.of(chain.full_snapshot),
                    tuple(StateHandleRef.of(h) for h in chain.changes))
 
     @property
@@ -102,7 +102,7 @@ class ChainRef:
     def chain(self, storage_options: Mapping | None) -> KeyedStateChain:
         return KeyedStateChain(
             self.key_groups,
-            None if self.materialisation is None else self.materialisation.handle(
+            None if self.full_snapshot is None else self.full_snapshot.handle(
                 storage_options),
             tuple(h.handle(storage_options) for h in self.changes))
 
@@ -119,7 +119,7 @@ def chain_version(key_groups: KeyGroupRange, chains: Sequence[KeyedStateChain]) 
     for chain in chains:
         ref = ChainRef.of(chain)
         digest.update(f"|{ref.start}-{ref.end}".encode())
-        for handle in (ref.materialisation, *ref.changes):
+        for handle in (ref.full_snapshot, *ref.changes):
             digest.update(b"|" + (b"-" if handle is None
                                   else _handle_identity(handle).encode()))
     return "chain-" + digest.hexdigest()[:32]
@@ -127,12 +127,12 @@ def chain_version(key_groups: KeyGroupRange, chains: Sequence[KeyedStateChain]) 
 
 @dataclass(frozen=True)
 class KeyedStageTask:
-    """Everything an executor needs to run one batch of one keyed stage, or to materialise
+    """Everything an executor needs to run one batch of one keyed stage, or to snapshot
     its ranges: the checkpoint to write into, the stage, the layout and the chains as of the
     last completed checkpoint.
 
     ``chains``: for a batch, chain ``i`` is range ``i`` of ``parallelism`` (Flink's ranges);
-    for a materialisation any chains covering all key groups (e.g. another parallelism's:
+    for a full snapshot any chains covering all key groups (e.g. another parallelism's:
     that is rescaling). ``now``: the batch's time for state expiry (processing-time stamps and
     the cutoff); None when the stage has no ``ttl``. For a batch of a stage with event-time
     expiry, ``now`` is the clock before the batch: each range's task advances it by the
@@ -234,7 +234,7 @@ def _newer(a, b):
 
 @dataclass(frozen=True)
 class KeyedRangeResult:
-    """What one range's task wrote for a batch (or a materialisation): the handle of its change
+    """What one range's task wrote for a batch (or a full snapshot): the handle of its change
     file (or snapshot), its rows, whether the local store had to be rebuilt first, and
     whether the task ran on a private copy of it (``private``: another process held the
     store's lock) and how long it waited for the lock."""
@@ -242,7 +242,7 @@ class KeyedRangeResult:
     operator_index: int
     key_groups: KeyGroupRange
     handle: StreamStateHandle
-    kind: str  # "change" or "materialisation"
+    kind: str  # "change" or "full_snapshot"
     attempt: int
     rows: int
     input_rows: int

@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from checkpoint_storage import FileSystemCheckpointStorage, collect_garbage
 from checkpoint_storage.cli import build_app
 from pipelines import (
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
-    MaterialisationPolicy,
     Source,
     StatefulPipeline,
     StatefulRunner,
@@ -80,7 +80,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 def pipeline(batches: int = 1, **options) -> StatefulPipeline:
     options = {"checkpoint_interval": 1, "max_parallelism": 8, "keyed_parallelism": 2,
-               "materialisation": MaterialisationPolicy(every=3, min_bytes=0)} | options
+               "full_snapshot": FullSnapshotPolicy(every=3, min_bytes=0)} | options
     return StatefulPipeline(
         name="hourly_counts",
         stages=[KeyedStage("counts", "key", COUNTS, count_events)],

@@ -12,7 +12,7 @@ executors) and the Python worker that triggers it, once it reaches POINT:
 
 - ``write:<checkpoint id>:<marker>:mid`` on an executor, right after the first bytes of a
   state file of checkpoint ``<id>`` whose name holds ``<marker>`` reached the file (a torn
-  file): ``-b<batch>-`` for a change file, ``-m0-`` for a materialisation;
+  file): ``-b<batch>-`` for a change file, ``-m0-`` for a full snapshot;
 - ``write:<checkpoint id>:<marker>:after`` the same, once that file is complete (before its
   handle reaches the driver and before the local store applies it);
 - ``hook:<point>:<name>=<value>`` on the driver, at the runner's ``fault_hook(point)`` with
@@ -29,7 +29,7 @@ run ended (``time.time()``), its progress lines and, with ``--state``, the final
 file they write and their local store's update. ``--straggle`` (a two-host cluster with
 speculation): attempt 0 of range 1 stalls after its writes, so a speculative copy overtakes it.
 ``--merging``: the storage merges files across checkpoints (each range's change files are
-segments appended to one physical file) and ranges materialise after 4 change files only, so
+segments appended to one physical file) and ranges snapshot after 4 change files only, so
 the second interval's change files append to the file the first checkpoint references.
 """
 
@@ -49,8 +49,8 @@ if str(PROJECT_ROOT) not in sys.path:
 
 from checkpoint_storage import FileSystemCheckpointStorage  # noqa: E402
 from pipelines import (  # noqa: E402
+    FullSnapshotPolicy,
     KeyedStage,
-    MaterialisationPolicy,
     ParquetSink,
     StatefulPipeline,
     StatefulRunner,
@@ -84,7 +84,7 @@ class Orders(GeneratedOrders):
 def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None,
                     merging: bool = False) -> StatefulPipeline:
     """test_keyed_runner's totals over ``batches`` batches per partition: a checkpoint every 2
-    batches, materialisation every 2 change files (so at the start of a partition's second
+    batches, full snapshot every 2 change files (so at the start of a partition's second
     interval; every 4 with ``merging``), a state sink and an output sink."""
     return StatefulPipeline(
         name="keyed_totals",
@@ -99,8 +99,8 @@ def faults_pipeline(work: Path, batches: int = 4, parallelism: int | None = None
         ],
         checkpoint_interval=2,
         max_parallelism=16,
-        materialisation=(MaterialisationPolicy(every=4, ratio=100.0, min_bytes=0) if merging
-                         else MaterialisationPolicy(every=2, min_bytes=0)),
+        full_snapshot=(FullSnapshotPolicy(every=4, ratio=100.0, min_bytes=0) if merging
+                         else FullSnapshotPolicy(every=2, min_bytes=0)),
         keyed_parallelism=parallelism,
     )
 
@@ -235,7 +235,7 @@ def kill_after_writes(subtask: int, attempt: int) -> None:
     """``task_after_write``: after its state file is written and its local store updated,
     attempt 0 of range 1 dies (its Python worker exits) and attempt 1 of range 0 raises; the
     retries succeed. (Ranges can share a Spark task: hash partitioning sends operator indices
-    0 and 1 to one shuffle partition of 4, and to one of 2 when materialising, so range 0
+    0 and 1 to one shuffle partition of 4, and to one of 2 when snapshotting, so range 0
     fails at attempt 1, after range 1's worker died at attempt 0 of the same task.)"""
     if attempt == 0 and subtask == 1:
         os._exit(17)

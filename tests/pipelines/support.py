@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from checkpoint_storage import FileSystemCheckpointStorage
 from checkpoint_storage.cli import build_app
 from pipelines import (
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
-    MaterialisationPolicy,
     ParquetSink,
     Source,
     StatefulPipeline,
@@ -212,7 +212,7 @@ SOURCE = GeneratedOrders()
 
 def totals_pipeline(tmp_path: Path, **options) -> StatefulPipeline:
     options = {"checkpoint_interval": 2, "max_parallelism": 16,
-               "materialisation": MaterialisationPolicy(every=3, min_bytes=0)} | options
+               "full_snapshot": FullSnapshotPolicy(every=3, min_bytes=0)} | options
     return StatefulPipeline(
         name="keyed_totals",
         stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],

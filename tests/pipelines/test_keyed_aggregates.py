@@ -21,9 +21,9 @@ from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage, RestoreMode
 from pipelines import (
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
-    MaterialisationPolicy,
     Source,
     StatefulPipeline,
     StatefulRunner,
@@ -345,7 +345,7 @@ def test_an_aggregate_stage_through_the_runner_checkpoints_and_restores(spark, t
     pipeline = StatefulPipeline(
         name="aggregates", stages=[agg.stage("activity", "user", AGGREGATES, EVENTS)],
         source=source, partitions=PARTITIONS, checkpoint_interval=2, max_parallelism=16,
-        keyed_parallelism=2, materialisation=MaterialisationPolicy(every=2, min_bytes=0))
+        keyed_parallelism=2, full_snapshot=FullSnapshotPolicy(every=2, min_bytes=0))
 
     def runner(directory: Path) -> StatefulRunner:
         storage = FileSystemCheckpointStorage(str(directory / "checkpoints"),

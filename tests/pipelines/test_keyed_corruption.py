@@ -1,5 +1,5 @@
 """A corrupt checkpoint file always has a way out (issue 24): the integrity check names it,
-a warm run re-materialises its range from the local store, a cold run fails naming the
+a warm run writes a new full snapshot of its range from the local store, a cold run fails naming the
 newest retained checkpoint that verifies, and restoring that equals a recomputation. Real
 Spark (local[2]), real StatefulRunner, the check on a real Dagster instance."""
 
@@ -21,8 +21,8 @@ from pyspark.sql import types as T
 
 from pipelines import (
     CorruptStateError,
+    FullSnapshotPolicy,
     KeyedStage,
-    MaterialisationPolicy,
     Stage,
     StatefulPipeline,
     StatefulRunner,
@@ -47,11 +47,11 @@ PARTITIONS = [f"p{i}" for i in range(1, 4)]
 
 
 def totals(tmp_path: Path, **options) -> StatefulPipeline:
-    """The keyed totals without sinks, change files kept in chains (no materialisation
+    """The keyed totals without sinks, change files kept in chains (no full snapshot
     unless asked), a name of its own: its local stores (below the temp directory when Dagster
     runs it) are nobody else's."""
     options = {"checkpoint_interval": 2, "max_parallelism": 16, "max_retained_checkpoints": 4,
-               "materialisation": MaterialisationPolicy(every=100)} | options
+               "full_snapshot": FullSnapshotPolicy(every=100)} | options
     return StatefulPipeline(
         name=f"corrupt_{uuid.uuid4().hex[:8]}",
         stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],
@@ -82,8 +82,8 @@ def last_change_file(checkpoint, subtask: int = 0) -> Path:
 def test_warm_store_repairs_a_corrupt_change_file_the_check_names(spark, tmp_path):
     """A flipped bit in a change file of the newest checkpoint: the check fails naming the
     file, the stage, its key groups and what the next run does; the next run (warm local
-    stores) re-materialises that range first, its checkpoints reference no corrupt file, its
-    check passes, and its state equals a recomputation."""
+    stores) writes a new full snapshot of that range first, its checkpoints reference no corrupt
+    file, its check passes, and its state equals a recomputation."""
     pipeline = totals(tmp_path)
     resources = resources_for(tmp_path, file_state_size_threshold=0)
     defs = dg.Definitions.merge(pipeline_definitions(pipeline), dg.Definitions(
@@ -106,7 +106,7 @@ def test_warm_store_repairs_a_corrupt_change_file_the_check_names(spark, tmp_pat
                                                            evaluation.severity)
             assert str(victim) in meta["bad_files"]
             assert "stage totals key groups 0-7" in meta["damaged"]
-            assert "re-materialises totals key groups 0-7" in meta["next_run"]
+            assert "writes new full snapshots of totals key groups 0-7" in meta["next_run"]
 
             second = materialize_range(instance, resources, "p2", "p2", pipeline=pipeline,
                                        landing=None)
@@ -225,7 +225,7 @@ def test_random_damage_between_runs_never_commits_wrong_state(spark, tmp_path):
     0."""
     rng = random.Random(24)
     pipeline = totals(tmp_path, checkpoint_interval=1, max_retained_checkpoints=4,
-                      materialisation=MaterialisationPolicy(every=3, min_bytes=0))
+                      full_snapshot=FullSnapshotPolicy(every=3, min_bytes=0))
     pipeline = dataclasses.replace(pipeline, source=TwoBatches(),
                                    partitions=dg.StaticPartitionsDefinition(DAYS))
     local = "local-0"

@@ -1,6 +1,6 @@
 """Issue 12's guarantees under faults, over a keyed pipeline (test_keyed_runner.py's per-customer
 totals with a state and an output sink): the driver SIGKILLed while writing change files,
-during materialisation and between the state writes and `_metadata`; Spark task attempts failing
+during full snapshot and between the state writes and `_metadata`; Spark task attempts failing
 after their writes; rescaling 2 -> 3 -> 2 killed mid-rescale. Each compares the final state,
 the state sink and the output sink with a dict recomputation: updates lost or applied twice: 0.
 
@@ -143,14 +143,14 @@ def test_the_kill_marker_is_whole_or_absent_and_the_first_writer_wins(tmp_path):
 
 
 # The driver's run of p1 (4 batches) at parallelism 2: change files of batches 0 and 1 go to
-# chk-1, taken after batch 1; the second interval starts by materialising both ranges (2
+# chk-1, taken after batch 1; the second interval starts by snapshotting both ranges (2
 # change files each) into chk-2, then batches 2 and 3 write their change files into it, then
 # the state sink is written and chk-2's `_metadata`. Every kill lands in chk-2's interval.
 # (A kill right after a file is written, or after a batch, leaves a subset of what these
 # leave; they ran once with these and are kept out of the suite for its time.)
 KILLS = {
     "change-file-torn": "write:2:-b3-:mid",
-    "materialisation-torn": "write:2:-m0-:mid",
+    "full snapshot-torn": "write:2:-m0-:mid",
     "before-final-metadata": "hook:before_metadata:checkpoint_id=2",
 }
 

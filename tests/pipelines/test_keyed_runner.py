@@ -19,9 +19,9 @@ from pyspark import cloudpickle
 from checkpoint_storage import RestoreMode, is_appended_segment
 from pipelines import (
     ClaimRefusedError,
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
-    MaterialisationPolicy,
     Source,
     StatefulPipeline,
     StatefulRunner,
@@ -170,7 +170,7 @@ def test_claim_of_another_pipelines_checkpoint_is_refused_before_any_batch(spark
 
 def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, tmp_path):
     """After a NO_CLAIM restore of a checkpoint, the first checkpoint references none of the
-    restored checkpoint's files (its ranges are materialised first)."""
+    restored checkpoint's files (its ranges are snapshotted first)."""
     runner = runner_of(spark, tmp_path)
     runner.run(["p1"])
     restored_from = runner.store.latest()
@@ -187,7 +187,7 @@ def test_a_no_claim_restore_shares_no_file_with_the_restored_checkpoint(spark, t
 
 
 def test_the_job_directory_holds_only_what_retained_checkpoints_reference(spark, tmp_path):
-    """Three partitions, a checkpoint every batch, materialisation every 3 change files,
+    """Three partitions, a checkpoint every batch, full snapshot every 3 change files,
     retention 2: the shared directory holds exactly the files of the retained checkpoints."""
     pipeline = totals_pipeline(tmp_path, checkpoint_interval=1, max_retained_checkpoints=2)
     runner = runner_of(spark, tmp_path, pipeline)
@@ -233,7 +233,7 @@ def last_seen(input: pa.Table, state: pa.Table) -> KeyedResult:
 
 def test_live_and_expired_rows_are_reported_apart(spark, tmp_path):
     """A one-hour event-time TTL, the clock at T0 + 2 h: the 20 customers last seen at T0
-    expired but stay in the state (no materialisation drops them). The checkpoint summary,
+    expired but stay in the state (no full snapshot drops them). The checkpoint summary,
     the Dagster materialization (state_rows_/expired_rows_) and `checkpoints inspect` (table
     and --json) report 20 live and 20 expired rows, as counted from the batches."""
     from sensors._assets import _materializations
@@ -243,7 +243,7 @@ def test_live_and_expired_rows_are_reported_apart(spark, tmp_path):
     pipeline = StatefulPipeline(
         name="timed_totals", stages=[stage], source=TimedOrders(), partitions=PARTITIONS,
         checkpoint_interval=10, max_parallelism=16, keyed_parallelism=2,
-        materialisation=MaterialisationPolicy(every=100, min_bytes=0))
+        full_snapshot=FullSnapshotPolicy(every=100, min_bytes=0))
     (result,) = runner_of(spark, tmp_path, pipeline).run(["p1"])
     cutoff = T0 + dt.timedelta(hours=2) - dt.timedelta(hours=1)
     last = {f"c{i}": T0 + dt.timedelta(hours=2 if i < 20 else 0) for i in range(40)}
@@ -283,7 +283,7 @@ def test_inline_change_files_restore(spark, tmp_path):
 def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
     """A second runner on other executors' local directories (nothing local) rebuilds both
     ranges from the chains in its first batch only, says so, and continues exactly."""
-    pipeline = totals_pipeline(tmp_path, materialisation=MaterialisationPolicy(every=100))
+    pipeline = totals_pipeline(tmp_path, full_snapshot=FullSnapshotPolicy(every=100))
     runner_of(spark, tmp_path, pipeline).run(["p1"])
     runner = StatefulRunner(spark, storage_of(tmp_path), pipeline,
                             keyed_local_dir=str(tmp_path / "elsewhere"))
@@ -321,7 +321,7 @@ def test_file_merging_across_checkpoints_packs_each_ranges_change_files(spark, t
     reference (a file leaves with the last checkpoint that uses a segment in it)."""
     storage = storage_of(tmp_path, file_merging_enabled=True,
                          file_merging_across_checkpoint_boundary=True)
-    pipeline = totals_pipeline(tmp_path, materialisation=MaterialisationPolicy(
+    pipeline = totals_pipeline(tmp_path, full_snapshot=FullSnapshotPolicy(
         every=4, ratio=100.0, min_bytes=0))
     states, files = [], []
     with caplog.at_level("WARNING", logger="pipelines.runner"):
@@ -340,7 +340,7 @@ def test_file_merging_across_checkpoints_packs_each_ranges_change_files(spark, t
     assert ([True] * 3, [], referenced_files(runner)) == (states, warned,
                                                           shared_files(tmp_path, runner))
     # (physical files, segments): per range, one file holds the partition's 4 change files
-    # (a partition's first batch materialises the range, starting a new chain and file)
+    # (a partition's first batch snapshots the range, starting a new chain and file)
     assert [(2, 8), (2, 8), (2, 8)] == files
 
 

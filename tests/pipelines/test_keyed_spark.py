@@ -1,5 +1,5 @@
 """A keyed stage on real Spark (local[2]): per-range tasks, change files, local stores rebuilt
-from the chains, retried attempts, rescaling and materialisation, each checked against a
+from the chains, retried attempts, rescaling and full snapshot, each checked against a
 plain dict recomputation of a per-user count."""
 
 import datetime as dt
@@ -19,6 +19,7 @@ from pyspark import cloudpickle
 
 from checkpoint_storage import ByteStreamStateHandle, FileSystemCheckpointStorage, JobID
 from pipelines.keyed import (
+    FullSnapshotPolicy,
     KeyedResult,
     KeyedStage,
     KeyedStageDriver,
@@ -26,7 +27,6 @@ from pipelines.keyed import (
     KeyedStateChain,
     KeyedStateLayout,
     KeyGroupRange,
-    MaterialisationPolicy,
     StateTtl,
     TtlTimeCharacteristic,
     apply_keyed_batch,
@@ -34,9 +34,9 @@ from pipelines.keyed import (
     compute_operator_index_for_key_group,
     extend_chains,
     local_store_directory,
-    materialise_keyed_state,
-    ranges_to_materialise,
+    ranges_to_snapshot,
     replay_chains,
+    snapshot_keyed_state,
     sweep_idle_stores,
 )
 from pipelines.keyed._local_stores import _Locked, sweep_other_ranges
@@ -216,12 +216,12 @@ def test_a_retried_batch_is_applied_once(spark, job):
 
 
 def test_rescaling_two_to_three_equals_a_recomputation(spark, job):
-    """Materialising the ranges of parallelism 3 from the chains of parallelism 2, then running
+    """Snapshotting the ranges of parallelism 3 from the chains of parallelism 2, then running
     batches at 3, equals the recomputation."""
     job.run(spark, 0)
     job.run(spark, 1)
     task = job.task(2, parallelism=3)
-    results = materialise_keyed_state(spark, task)
+    results = snapshot_keyed_state(spark, task)
     job.parallelism = 3
     job.chains = extend_chains([KeyedStateChain(task.key_groups(i), None) for i in range(3)],
                                results)
@@ -231,23 +231,23 @@ def test_rescaling_two_to_three_equals_a_recomputation(spark, job):
         job.state(), outputs, [r.operator_index for r in results])
 
 
-def test_materialisation_resets_the_chains_and_keeps_the_state(spark, job):
-    """After three batches a policy of every 2 change files materialises every range: the
+def test_full_snapshot_resets_the_chains_and_keeps_the_state(spark, job):
+    """After three batches a policy of every 2 change files snapshots every range: the
     chains are one snapshot each, their replay equals the recomputation, and the next batch
     reuses the local stores (no rebuild) and still equals it."""
     for batch in range(3):
         job.run(spark, batch)
-    due = ranges_to_materialise(job.chains, MaterialisationPolicy(every=2, min_bytes=1 << 30))
-    results = materialise_keyed_state(spark, job.task(2), due)
+    due = ranges_to_snapshot(job.chains, FullSnapshotPolicy(every=2, min_bytes=1 << 30))
+    results = snapshot_keyed_state(spark, job.task(2), due)
     job.chains = extend_chains(job.chains, results)
-    shapes = [(c.materialisation is not None, len(c.changes)) for c in job.chains]
+    shapes = [(c.full_snapshot is not None, len(c.changes)) for c in job.chains]
     after_three = job.state()
     _, ranges = job.run(spark, 3)
     assert ([0, 1], [(True, 0), (True, 0)], expected(3)[0], expected(4)[0], False) == (
         due, shapes, after_three, job.state(), any(r.rebuilt for r in ranges))
 
 
-def test_materialisation_policy_counts_changes_and_bytes():
+def test_full_snapshot_policy_counts_changes_and_bytes():
     """The policy is due after ``every`` change files, or when the changes since the base (the
     snapshot, or a chain's first change file) outgrow ``ratio`` of it (at least ``min_bytes``),
     and never for a chain without changes."""
@@ -259,18 +259,18 @@ def test_materialisation_policy_counts_changes_and_bytes():
                                tuple(ByteStreamStateHandle(f"c{i}", b"x" * n)
                                      for i, n in enumerate(changes)))
 
-    policy = MaterialisationPolicy(every=3, ratio=0.5, min_bytes=10)
+    policy = FullSnapshotPolicy(every=3, ratio=0.5, min_bytes=10)
     chains = [chain(100, []), chain(100, [10, 10]), chain(100, [30, 30]), chain(100, [1, 1, 1]),
               chain(None, [2, 2]), chain(None, [4, 8])]
-    assert [2, 3, 5] == ranges_to_materialise(chains, policy)
+    assert [2, 3, 5] == ranges_to_snapshot(chains, policy)
 
 
 def test_a_batch_on_chains_of_another_parallelism_is_refused(spark, job):
     """A batch whose chains are not the ranges of its parallelism (rescaled without
-    materialising first) is refused before any task runs, saying what to do."""
+    snapshotting first) is refused before any task runs, saying what to do."""
     frame = spark.createDataFrame([("ann",)], "user string")
 
-    with pytest.raises(ValueError, match="materialise the new ranges") as refused:
+    with pytest.raises(ValueError, match="snapshot the new ranges") as refused:
         apply_keyed_batch(frame, job.task(0, parallelism=3))
 
     assert "keyed stage clicks" in str(refused.value)
@@ -360,7 +360,7 @@ def test_the_event_time_clock_costs_no_spark_job_of_its_own(spark, tmp_path):
                         ("timed", TIMED_STAGE)):
         job = Job(tmp_path / name, 2)
         driver = KeyedStageDriver(spark, job.storage, str(job.job_id), MAX_PARALLELISM, 2,
-                                  MaterialisationPolicy(), str(job.local_dir))
+                                  FullSnapshotPolicy(), str(job.local_dir))
         location = job.access.initialize_location_for_checkpoint(1)
         frame = timed_frame(spark, [("ann", 0), ("bob", 1)])
         spark.sparkContext.setJobGroup(name, name)

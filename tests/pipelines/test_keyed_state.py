@@ -1,4 +1,4 @@
-"""Keyed state without Spark: the local store, change files, materialisations and chains,
+"""Keyed state without Spark: the local store, change files, full snapshots and chains,
 checked against a plain dict model on real checkpoint storage (local disk)."""
 
 import datetime as dt
@@ -33,12 +33,12 @@ from pipelines.keyed import (
     chains_to_operator_state,
     compute_key_group_range_for_operator_index,
     read_change_file,
-    read_materialisation,
+    read_full_snapshot,
     rebuild_store,
     remove_store,
     replay_chains,
     write_change_file,
-    write_materialisation,
+    write_full_snapshot,
 )
 from tests.pipelines.support import (
     ALL,
@@ -85,9 +85,9 @@ BATCHES = st.lists(BATCH.map(lambda b: (b[0], b[1] - b[0].keys())), min_size=1, 
 @pytest.mark.slow
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(BATCHES, st.integers(0, 11))
-def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
+def test_store_and_replay_equal_a_dict_model(batches, snapshot_after):
     """For any sequence of batches of upserts and deletes: the store (merging and compacting
-    its runs often), the store reopened from disk, the replay of a materialisation plus the
+    its runs often), the store reopened from disk, the replay of a full snapshot plus the
     change files since and a store rebuilt from them, all hold what a dict holds, and the
     stores count its keys."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,8 +103,8 @@ def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
             store.apply(clicks_table(upserts), deletes(doomed), version=str(number))
             chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL,
                                                      clicks_table(upserts), deletes(doomed)))
-            if number == materialise_after:
-                chain = KeyedStateChain(ALL, write_materialisation(
+            if number == snapshot_after:
+                chain = KeyedStateChain(ALL, write_full_snapshot(
                     job.factory, LAYOUT, ALL, store.sorted_batches()))
             asked = store.get(pa.table({"user": USERS}))
             assert (model, len(model)) == (as_model(asked), store.num_rows)
@@ -122,7 +122,7 @@ def test_store_and_replay_equal_a_dict_model(batches, materialise_after):
 @given(st.dictionaries(st.text(min_size=1, max_size=8), st.integers(0, 99), max_size=200),
        st.lists(BATCH, max_size=3))
 def test_rescaling_2_to_3_to_2_loses_and_duplicates_nothing(initial, batches):
-    """State written by 2 tasks (materialisation + change files), restored by 3 (each reads
+    """State written by 2 tasks (full snapshot + change files), restored by 3 (each reads
     its range from the overlapping chains), checkpointed by those 3, restored by 2 again: the
     union of the tasks' states equals the model, each key in exactly one task."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,7 +152,7 @@ def test_rescaling_2_to_3_to_2_loses_and_duplicates_nothing(initial, batches):
                 store = ArrowKeyedStateStore(Path(tmp) / f"store-{len(state)}-{index}",
                                              LAYOUT, key_groups)
                 store.apply(part, NO_KEYS)
-                chain = KeyedStateChain(key_groups, write_materialisation(
+                chain = KeyedStateChain(key_groups, write_full_snapshot(
                     job.factory, LAYOUT, key_groups, store.sorted_batches()))
                 for upserts, doomed in changes if with_changes else ():
                     u, d = split(upserts, len(state))[index], split(doomed, len(state))[index]
@@ -185,12 +185,12 @@ def test_change_file_round_trips_upserts_and_deletes(job):
     assert job.access.shared_state_directory in handle.path
 
 
-def test_materialisation_is_sorted_by_key_group_and_readable_as_parquet(job, tmp_path):
-    """A materialisation is plain Parquet sorted by key group, and a reader of a narrower
+def test_full_snapshot_is_sorted_by_key_group_and_readable_as_parquet(job, tmp_path):
+    """A full snapshot is plain Parquet sorted by key group, and a reader of a narrower
     range gets only that range's rows."""
     store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
     store.apply(clicks_table({f"u{i}": i for i in range(200)}), NO_KEYS)
-    handle = write_materialisation(job.factory, LAYOUT, ALL, store.sorted_batches())
+    handle = write_full_snapshot(job.factory, LAYOUT, ALL, store.sorted_batches())
     import pyarrow.parquet as pq
 
     table = pq.read_table(handle.path)
@@ -200,7 +200,7 @@ def test_materialisation_is_sorted_by_key_group_and_readable_as_parquet(job, tmp
                 if LAYOUT.key_groups_of(pa.table({"user": [k]}))[0] <= 3}
 
     assert sorted(groups) == groups
-    assert expected == as_model(read_materialisation(handle, LAYOUT, ALL, half))
+    assert expected == as_model(read_full_snapshot(handle, LAYOUT, ALL, half))
 
 
 def test_chains_round_trip_through_metadata(job):
@@ -209,7 +209,7 @@ def test_chains_round_trip_through_metadata(job):
     chains = []
     for index in range(2):
         key_groups = compute_key_group_range_for_operator_index(MAX_PARALLELISM, 2, index)
-        chain = KeyedStateChain(key_groups, None if index else write_materialisation(
+        chain = KeyedStateChain(key_groups, None if index else write_full_snapshot(
             job.factory, LAYOUT, key_groups, []))
         chains.append(chain.appended(write_change_file(job.factory, LAYOUT, key_groups,
                                                        SCHEMA.empty_table(), NO_KEYS)))
@@ -260,9 +260,9 @@ def test_corrupted_change_file_is_refused_naming_the_file(job):
 
 
 def test_a_file_of_another_kind_or_range_is_refused(job):
-    """A materialisation read as a change file, or a file of other key groups, is refused
+    """A full snapshot read as a change file, or a file of other key groups, is refused
     naming the file and what it says it is."""
-    handle = write_materialisation(job.factory, LAYOUT, ALL, [])
+    handle = write_full_snapshot(job.factory, LAYOUT, ALL, [])
     other = write_change_file(job.factory, LAYOUT, KeyGroupRange(0, 3), SCHEMA.empty_table(),
                               NO_KEYS)
 
@@ -376,10 +376,10 @@ def test_processing_time_expiry_keeps_the_write_time_as_state(tmp_path, job):
 
 
 def test_shared_files_are_file_handles_for_the_registry(job):
-    """Change files and materialisations are file handles in the job's shared/ directory,
+    """Change files and full snapshots are file handles in the job's shared/ directory,
     the kind the shared-state registry counts references of."""
     handles = [write_change_file(job.factory, LAYOUT, ALL, clicks_table({"a": 1}), NO_KEYS),
-               write_materialisation(job.factory, LAYOUT, ALL, [])]
+               write_full_snapshot(job.factory, LAYOUT, ALL, [])]
 
     assert [True, True] == [isinstance(h, FileStateHandle) for h in handles]
     assert [job.access.shared_state_directory] * 2 == [h.path.rsplit("/", 1)[0]
@@ -445,7 +445,7 @@ def test_a_directory_that_is_not_a_store_is_never_deleted(tmp_path):
 
 def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_them(job):
     """Retaining one checkpoint: change files stay while the latest chain references them,
-    and go once a materialisation starts a new chain and the old checkpoint is subsumed."""
+    and go once a full snapshot starts a new chain and the old checkpoint is subsumed."""
     retained = StandaloneCompletedCheckpointStore(max_retained=1)
     chain = KeyedStateChain(ALL, None)
     written = []
@@ -459,7 +459,7 @@ def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_t
                                        NO_KEYS)
             chain = chain.appended(handle)
         else:
-            handle = write_materialisation(factory, LAYOUT, ALL, [])
+            handle = write_full_snapshot(factory, LAYOUT, ALL, [])
             chain = KeyedStateChain(ALL, handle)
         written.append(Path(handle.path))
         out = location.create_metadata_output_stream()

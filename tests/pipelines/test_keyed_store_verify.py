@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 from pyspark import cloudpickle
 
-from pipelines import MaterialisationPolicy, StatefulRunner, read_state
+from pipelines import FullSnapshotPolicy, StatefulRunner, read_state
 from pipelines.keyed import ArrowKeyedStateStore, LocalStoreError, _store, remove_store
 from tests.pipelines.support import (
     ALL,
@@ -263,7 +263,7 @@ def test_damaged_store_between_runs_is_rebuilt_and_the_checkpoint_is_right(spark
     store."""
     source = TwoBatchOrders(customers=300)
     pipeline = dataclasses.replace(totals_pipeline(tmp_path, keyed_parallelism=1,
-                                                   materialisation=MaterialisationPolicy()),
+                                                   full_snapshot=FullSnapshotPolicy()),
                                    source=source)
     local = tmp_path / "local"
     StatefulRunner(spark, storage_of(tmp_path), pipeline,

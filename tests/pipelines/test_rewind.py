@@ -65,7 +65,7 @@ def test_a_rewind_keeps_the_head_and_says_so(spark, tmp_path):
 def test_retention_keeps_the_last_partition_ends_and_gc_exactly_their_files(spark, tmp_path):
     """Two batches per partition, a checkpoint after each: with 2 retained and the ends of
     the last 4 partitions, exactly the newest two and those ends stay (listed by id), and
-    the job directory holds exactly the files they reference (keyed chains materialise every
+    the job directory holds exactly the files they reference (keyed chains snapshot every
     3 change files, so files go while others are shared)."""
     spec = pipeline(batches=2, max_retained_checkpoints=2, retain_partition_ends=4)
     runner = runner_of(spark, tmp_path, spec)

@@ -1,9 +1,9 @@
 """Reading a keyed stage's state (format ``keyed-v1``) from a snapshot: ``read_state``, the
 Spark data source ``checkpoint`` and ``checkpoints read`` return the live rows of the chains
-(materialisation, then change files), verify every file, and hide rows expired under a TTL.
+(full snapshot, then change files), verify every file, and hide rows expired under a TTL.
 
 Snapshots are built by hand, as the runner will write them: change files and
-materialisations through the worker view, the chains as the stage's operator state, and the
+full snapshots through the worker view, the chains as the stage's operator state, and the
 master states ``pipeline-name``, ``state-format/<stage>``, ``state-schema/<stage>`` and
 ``keyed-state/<stage>``.
 """
@@ -42,7 +42,7 @@ from pipelines.keyed import (
     compute_key_group_range_for_operator_index,
     encode_keyed_master_state,
     write_change_file,
-    write_materialisation,
+    write_full_snapshot,
 )
 from tests.pipelines.support import run_read_cli as run_cli
 
@@ -113,25 +113,25 @@ def build_snapshot(
     timestamp: dt.datetime = T0,
     written_at: list[dt.datetime] | None = None,
 ) -> Written:
-    """A completed checkpoint of the keyed stage ``clicks``: per range a materialisation of
-    its rows (None: no materialisation) and change files in order. Under processing-time TTL
-    ``written_at`` gives the write time of the materialisation then of each change."""
+    """A completed checkpoint of the keyed stage ``clicks``: per range a full snapshot of
+    its rows (None: no full snapshot) and change files in order. Under processing-time TTL
+    ``written_at`` gives the write time of the full snapshot then of each change."""
     storage = FileSystemCheckpointStorage(str(root / "chk"), file_state_size_threshold=threshold)
     access = storage.create_checkpoint_storage(JobID.generate())
     access.initialize_base_locations()
     location = access.initialize_location_for_checkpoint(1)
     factory = access.resolve_checkpoint_storage_location(1, location.location_reference)
     chains = []
-    for index, (materialised, changes, _) in enumerate(ranges):
+    for index, (snapshotted, changes, _) in enumerate(ranges):
         key_groups = compute_key_group_range_for_operator_index(
             MAX_PARALLELISM, len(ranges), index)
         times = iter(written_at or [])
         handle = None
-        if materialised is not None:
-            state = rows(materialised, layout, next(times, None))
+        if snapshotted is not None:
+            state = rows(snapshotted, layout, next(times, None))
             state = state.append_column(KEY_GROUP, pa.array(layout.key_groups_of(state),
                                                             pa.int16()))
-            handle = write_materialisation(factory, layout, key_groups,
+            handle = write_full_snapshot(factory, layout, key_groups,
                                            state.sort_by(KEY_GROUP).to_batches())
         chain = KeyedStateChain(key_groups, handle)
         for change in changes:
@@ -156,7 +156,7 @@ def build_snapshot(
     return Written(out.close_and_finalize_checkpoint().external_pointer, chains)
 
 
-# Two ranges, each a materialisation then two change files: upserts of new and existing
+# Two ranges, each a full snapshot then two change files: upserts of new and existing
 # keys, deletes, and a key updated in both changes.
 INITIAL = {user: i for i, user in enumerate(USERS[:20])}
 FIRST = {"user_1": 101, "user_2": 102, "user_20": 120, "user_21": 121, "user_22": 122}
@@ -201,8 +201,8 @@ def flip_a_byte(path: str) -> None:
 # --- read_state ------------------------------------------------------------------------------
 
 
-def test_two_ranges_of_materialisations_and_changes_read_as_the_dict_model(two_ranges):
-    """Two ranges of materialisation plus changes read as the dict model, one part each."""
+def test_two_ranges_of_full_snapshots_and_changes_read_as_the_dict_model(two_ranges):
+    """Two ranges of full snapshot plus changes read as the dict model, one part each."""
     written, model = two_ranges
     snapshot = open_snapshot(written.pointer)
     table = read_state(written.pointer, STAGE)
@@ -213,11 +213,11 @@ def test_two_ranges_of_materialisations_and_changes_read_as_the_dict_model(two_r
 
 
 def test_inline_and_file_handles_read_alike(tmp_path):
-    """Inline change files and file materialisations read as the dict model."""
+    """Inline change files and file full snapshots read as the dict model."""
     ranges, model = two_range_history()
     big = {f"big_{i:04d}": i for i in range(600)}
-    ranges = [(materialised | in_range(LAYOUT, big, index, 2), changes, None)
-              for index, (materialised, changes, _) in enumerate(ranges)]
+    ranges = [(snapshotted | in_range(LAYOUT, big, index, 2), changes, None)
+              for index, (snapshotted, changes, _) in enumerate(ranges)]
     written = build_snapshot(tmp_path, LAYOUT, ranges, threshold=4000)
     kinds = {type(h).__name__ for chain in written.chains for h in chain.handles}
 
@@ -243,7 +243,7 @@ def test_processing_time_ttl_hides_rows_expired_at_the_snapshot_time(tmp_path):
                               StateTtl(dt.timedelta(minutes=1),
                                        TtlTimeCharacteristic.PROCESSING_TIME))
     ranges, _ = two_range_history(layout)
-    # materialisation at T0, first change at T0 + 1 min, second at T0 + 2 min; snapshot at
+    # full snapshot at T0, first change at T0 + 1 min, second at T0 + 2 min; snapshot at
     # T0 + 2.5 min: only what the second change wrote is younger than a minute
     times = [T0, T0 + dt.timedelta(minutes=1), T0 + dt.timedelta(minutes=2)]
     written = build_snapshot(tmp_path, layout, ranges, written_at=times,
@@ -281,10 +281,10 @@ def test_a_corrupt_change_file_is_named(two_ranges):
                             path in result.stderr)
 
 
-def test_a_missing_materialisation_is_named(two_ranges):
-    """A deleted materialisation is an InvalidCheckpointError naming the file."""
+def test_a_missing_full_snapshot_is_named(two_ranges):
+    """A deleted full snapshot is an InvalidCheckpointError naming the file."""
     written, _ = two_ranges
-    path = written.chains[0].materialisation.path
+    path = written.chains[0].full_snapshot.path
     Path(path).unlink()
 
     with pytest.raises(InvalidCheckpointError, match=f"state file {path} is missing"):
@@ -294,8 +294,8 @@ def test_a_missing_materialisation_is_named(two_ranges):
 def test_a_foreign_file_in_a_chain_is_refused_naming_it(tmp_path):
     """A file of the wrong kind in a chain is an InvalidCheckpointError naming it."""
     written = build_snapshot(tmp_path, LAYOUT, [({"user_1": 1}, [], None)])
-    materialisation = written.chains[0].materialisation
-    mislabelled = KeyedStateChain(written.chains[0].key_groups, None, (materialisation,))
+    full_snapshot = written.chains[0].full_snapshot
+    mislabelled = KeyedStateChain(written.chains[0].key_groups, None, (full_snapshot,))
     snapshot = open_snapshot(written.pointer)
     metadata = snapshot.metadata
     forged = CheckpointMetadata(
@@ -309,7 +309,7 @@ def test_a_foreign_file_in_a_chain_is_refused_naming_it(tmp_path):
 
     with pytest.raises(InvalidCheckpointError,
                        match=f"stage '{STAGE}': keyed state change file "
-                             f"{materialisation.path} is not the change"):
+                             f"{full_snapshot.path} is not the change"):
         read_state(pointer, STAGE)
 
 
@@ -329,7 +329,7 @@ def test_spark_source_reads_one_partition_per_range(spark, tmp_path):
 
 
 def test_spark_source_reads_changes_on_the_executors(spark, two_ranges):
-    """Chains of materialisations and changes read on the executors equal the dict model."""
+    """Chains of full snapshots and changes read on the executors equal the dict model."""
     written, model = two_ranges
     register_checkpoint_source(spark)
     frame = spark.read.format("checkpoint").option("stage", STAGE).load(written.pointer)

@@ -45,7 +45,7 @@ PYTHON = os.path.abspath(sys.executable)
 STOP_POINT = "write:2:-b2-:after"  # inside batch 2's store lock, checkpoint 1 completed
 TTL = driver.LEASE_TTL.total_seconds()
 # The successor's work once it holds the lease, besides the ttl it waits for the lock:
-# restore, materialise 2 ranges, 2 batches, the state sink and a checkpoint, on a 2-core
+# restore, snapshot 2 ranges, 2 batches, the state sink and a checkpoint, on a 2-core
 # machine other Spark jobs share (measured 33-46 s in a fresh driver at load 14-16).
 MARGIN = 60.0
 LOCK_SLACK = 5.0  # past the lock timeout, what a poll of the lock may overshoot under load

@@ -29,8 +29,8 @@ from pyspark.sql import types as T
 
 from checkpoint_storage import FileSystemCheckpointStorage
 from pipelines import (
+    FullSnapshotPolicy,
     KeyedStage,
-    MaterialisationPolicy,
     Source,
     StatefulPipeline,
     StatefulRunner,
@@ -157,7 +157,7 @@ def local_store_damage(trials: int, seed: int = 24, spark=None, *,
             source=source, partitions=dg.StaticPartitionsDefinition(partitions),
             checkpoint_interval=1, max_parallelism=16, keyed_parallelism=2,
             # a snapshot every other round reads every value of the stores
-            materialisation=MaterialisationPolicy(every=2, min_bytes=0))
+            full_snapshot=FullSnapshotPolicy(every=2, min_bytes=0))
         local = work / "local"
         copies: list[tuple[int, dict[Path, Path]]] = []  # (round, copies of its stores)
         for number, partition in enumerate(partitions):

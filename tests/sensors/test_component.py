@@ -12,7 +12,7 @@ import yaml
 from dagster.components import build_defs_for_component
 from dagster.components.testing import create_defs_folder_sandbox
 
-from pipelines import MaterialisationPolicy
+from pipelines import FullSnapshotPolicy
 from pipelines.definitions import default_resources
 from pipelines.examples.page_views import page_views_definitions
 from sensors import ImportReference, PartitionsSpec, StatefulPipelineComponent, pool_for
@@ -133,7 +133,7 @@ def test_bad_import_paths_say_what_is_wrong(path, message):
 
 def test_keyed_stages_and_their_settings_come_from_yaml():
     """Keyed stages by import path, with max_parallelism, keyed_parallelism and the
-    materialisation policy, give the pipeline those settings."""
+    full snapshot policy, give the pipeline those settings."""
     attributes = PAGE_VIEWS_YAML["attributes"] | {
         "stages": [{"import": "pipelines.examples.click_events.KEYED_STAGES"}],
         "source": {"import": "pipelines.FileSource", "params": {
@@ -141,14 +141,14 @@ def test_keyed_stages_and_their_settings_come_from_yaml():
         "sinks": [],
         "max_parallelism": 64,
         "keyed_parallelism": 4,
-        "materialisation": {"every": 5, "ratio": 0.5},
+        "full_snapshot": {"every": 5, "ratio": 0.5},
     }  # fmt: skip
 
     pipeline = StatefulPipelineComponent.model_validate(attributes).pipeline()
 
-    assert (["dedupe", "user_activity"], 64, 4, MaterialisationPolicy(5, 0.5)) == (
+    assert (["dedupe", "user_activity"], 64, 4, FullSnapshotPolicy(5, 0.5)) == (
         [s.name for s in pipeline.keyed_stages], pipeline.max_parallelism,
-        pipeline.keyed_parallelism, pipeline.materialisation)
+        pipeline.keyed_parallelism, pipeline.full_snapshot)
 
 
 def test_a_stage_reference_that_is_not_a_stage_is_refused(monkeypatch):

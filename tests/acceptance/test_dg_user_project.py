@@ -51,7 +51,7 @@ COUNTS = T.StructType(
 )
 
 
-def count_views(state: DataFrame, views: DataFrame) -> tuple[DataFrame, DataFrame]:
+def count_views(views: DataFrame, state: DataFrame) -> tuple[DataFrame, DataFrame]:
     batch = views.groupBy("page_id").agg(F.count("*").alias("views"))
     total = state.unionByName(batch).groupBy("page_id").agg(
         F.sum("views").cast("long").alias("views")

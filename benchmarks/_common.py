@@ -37,10 +37,11 @@ def start_moto(on_request=None) -> tuple[str, object]:
 
 
 def targets_line(rows) -> str:
-    """'N/M targets met', naming the missed ones; rows whose ``ok`` is None have no target."""
+    """'targets: N/M met' (the one form every benchmark prints), naming the missed ones; rows
+    whose ``ok`` is None have no target."""
     checked = [r for r in rows if r.ok is not None]
     missed = [r for r in checked if not r.ok]
-    line = f"\n{len(checked) - len(missed)}/{len(checked)} targets met"
+    line = f"\ntargets: {len(checked) - len(missed)}/{len(checked)} met"
     if missed:
         line += "; missed: " + ", ".join(f"{r.backend} {r.workload}" for r in missed)
     return line

@@ -143,7 +143,7 @@ def local_store_damage(trials: int, seed: int = 24, spark=None, *,
     partitions = [f"r{i:03d}" for i in range(rounds)]
     source = RoundOrders()
     warnings = _Warnings()
-    logging.getLogger("pipelines.runner").addHandler(warnings)
+    logging.getLogger("pipelines").addHandler(warnings)
     problems: list[str] = []
     kinds, rebuilt_after, named, wrong = Counter(), 0, 0, 0
     started = time.monotonic()
@@ -215,7 +215,7 @@ def local_store_damage(trials: int, seed: int = 24, spark=None, *,
                     s: shutil.copytree(s, keep / s.relative_to(local))
                     for s in sorted({p.parent for p in local.rglob("MANIFEST.json")})}))
     finally:
-        logging.getLogger("pipelines.runner").removeHandler(warnings)
+        logging.getLogger("pipelines").removeHandler(warnings)
         with contextlib.suppress(OSError):
             shutil.rmtree(work)
     damaged_rounds = rounds - 1

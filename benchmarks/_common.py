@@ -47,54 +47,52 @@ def targets_line(rows) -> str:
     return line
 
 
-def tree_cpu_seconds() -> float | None:
-    """CPU seconds of this process and all its descendants (the JVM, the Python workers),
-    including reaped children; None where /proc is not available."""
-    me = os.getpid()
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
+def _proc_stats() -> dict[int, list[str]] | None:
+    """Every process's ``/proc/<pid>/stat`` fields after its command name (field 3 on, so
+    ``[1]`` is the parent's pid); None where /proc is not available."""
     try:
         entries = [e for e in os.listdir("/proc") if e.isdigit()]
     except OSError:
         return None
+    stats = {}
     for entry in entries:
         try:
             with open(f"/proc/{entry}/stat") as f:
                 data = f.read()
         except OSError:
             continue
-        fields = data[data.rindex(")") + 2 :].split()
-        pid = int(entry)
-        children.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
-    total, todo = 0, [me]
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo += children.get(pid, [])
-    return total / os.sysconf("SC_CLK_TCK")
+        stats[int(entry)] = data[data.rindex(")") + 2 :].split()
+    return stats
 
 
-def _process_tree(root: int) -> list[int]:
-    """``root`` and its descendants, from /proc (empty where /proc is not available)."""
+def _tree_of(root: int, stats: dict[int, list[str]]) -> list[int]:
+    """``root`` and its descendants among ``stats``."""
     children: dict[int, list[int]] = {}
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return []
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                data = f.read()
-        except OSError:
-            continue
-        children.setdefault(int(data[data.rindex(")") + 2 :].split()[1]), []).append(int(entry))
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
         tree.append(pid)
         todo += children.get(pid, [])
     return tree
+
+
+def tree_cpu_seconds() -> float | None:
+    """CPU seconds of this process and all its descendants (the JVM, the Python workers),
+    including reaped children; None where /proc is not available."""
+    stats = _proc_stats()
+    if stats is None:
+        return None
+    ticks = sum(sum(int(v) for v in stats[pid][11:15])  # utime stime cutime cstime
+                for pid in _tree_of(os.getpid(), stats) if pid in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, from /proc (empty where /proc is not available)."""
+    stats = _proc_stats()
+    return [] if stats is None else _tree_of(root, stats)
 
 
 def tree_memory(root: int) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from checkpoint_storage import CheckpointMetadata, CheckpointStorage, InvalidCheckpointError
 from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
+    STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
     CheckpointStorageLocation,
     OperatorState,
@@ -197,6 +198,13 @@ class DataFrameStageKind(StageKind):
                 f"checkpoint {metadata.checkpoint_id} holds no state for stage "
                 f"{stage.name!r} (it has {sorted(operators)})"
             )
+        recorded = metadata.master_states.get(STATE_FORMAT_PREFIX + stage.name)
+        if recorded is not None:  # only keyed stages record a format
+            raise InvalidCheckpointError(
+                f"checkpoint {metadata.checkpoint_id}, stage {stage.name!r}: the snapshot holds "
+                f"the stage's state as {recorded.decode(errors='replace')}, the stage is a "
+                "DataFrame stage; restore a snapshot written by the DataFrame stage, or run "
+                "the stage as it was")
         schema = to_arrow_schema(stage.state_schema, timezone="UTC")
         stored = metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name)
         # The files are read as written, then evolved into the stage's schema (checked first).

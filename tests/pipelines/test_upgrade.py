@@ -31,7 +31,7 @@ from pipelines import (
     read_state,
     write_savepoint,
 )
-from pipelines.runner import NonRestoredStateError
+from pipelines.runner import NonRestoredStateError, check_restore_from
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -236,6 +236,18 @@ def test_a_removed_stage_is_refused_without_allow_non_restored_state(spark, tmp_
     assert not list((tmp_path / "checkpoints").rglob("_metadata"))
 
 
+def test_the_dagster_check_before_spark_refuses_a_removed_stage(tmp_path, v1_savepoint):
+    """The run config's restore_from is checked before any Spark work (storage only): the
+    removed stage is refused there too, unless allow_non_restored_state."""
+    with pytest.raises(NonRestoredStateError, match=r"\['legacy'\]"):
+        check_restore_from(storage_of(tmp_path), v1_savepoint, "p2", v2(tmp_path))
+
+    position = check_restore_from(storage_of(tmp_path), v1_savepoint, "p2", v2(tmp_path),
+                                  allow_non_restored_state=True)
+
+    assert "end of p1" == str(position)
+
+
 def _keyed_v1(schema=TOTALS_V1, key="customer", **stage):
     def pipeline(**options):
         return StatefulPipeline(
@@ -288,6 +300,20 @@ def test_a_dataframe_stage_narrowed_is_refused(spark, tmp_path, v1_savepoint):
 
     with pytest.raises(Exception, match=r"stage 'tally'.*column 'rows' was int64, is now "
                                         r"int32"):
+        runner_of(spark, tmp_path, pipeline).run(["p2"], restore_from=v1_savepoint,
+                                                 allow_non_restored_state=True)
+
+
+def test_a_stage_of_another_kind_is_refused(spark, tmp_path, v1_savepoint):
+    """totals, keyed in v1, as a DataFrame stage: refused naming the format it holds."""
+    pipeline = StatefulPipeline(
+        name="shop", source=Orders(), partitions=PARTITIONS, max_parallelism=8,
+        stages=[Stage("totals", T.StructType([T.StructField("customer", T.StringType())]),
+                      legacy, input="source"),
+                Stage("tally", TALLY_V1, tally_v1, input="source")])
+
+    with pytest.raises(Exception, match=r"stage 'totals': the snapshot holds the stage's "
+                                        r"state as keyed-v1, the stage is a DataFrame stage"):
         runner_of(spark, tmp_path, pipeline).run(["p2"], restore_from=v1_savepoint,
                                                  allow_non_restored_state=True)
 

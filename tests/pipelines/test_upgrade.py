@@ -224,6 +224,27 @@ def test_v1_savepoint_restored_into_v2_equals_a_recomputation(spark, tmp_path, v
     assert not savepoint & {h.path for h in metadata.all_handles() if hasattr(h, "path")}
 
 
+def test_v2_continues_v1s_own_checkpoint_of_change_files_and_warm_stores(spark, tmp_path):
+    """v2 deployed over v1's job directory continues from v1's last checkpoint (CLAIM: its
+    own), whose keyed chains hold change files written under v1 and whose local stores are
+    warm with v1's schema: the state equals the recomputation, and the first checkpoint
+    references no file of v1's."""
+    v1_runner = runner_of(spark, tmp_path, v1())
+    v1_runner.run(["p1"])
+    v1_files = {h.path for h in v1_runner.store.latest().metadata.all_handles()
+                if hasattr(h, "path")}
+    assert any("-b1-" in Path(f).name for f in v1_files)  # batch 1's change files
+    runner = runner_of(spark, tmp_path, v2(tmp_path))
+
+    runner.run(["p2"], allow_non_restored_state=True)
+
+    assert totals_expected(["p1"], ["p2"]) == {
+        r["customer"]: (r["orders"], r["amount_sum"], r["biggest"])
+        for r in states_of(runner)["totals"]}
+    assert not v1_files & {h.path for h in runner.store.latest().metadata.all_handles()
+                           if hasattr(h, "path")}
+
+
 def test_a_removed_stage_is_refused_without_allow_non_restored_state(spark, tmp_path,
                                                                      v1_savepoint):
     """The savepoint holds stage legacy, which v2 lacks: refused before any batch, naming

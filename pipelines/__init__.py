@@ -15,6 +15,8 @@ before stay importable from here, so that existing code keeps working.
 """
 
 from checkpoint_storage.spi import lazy_names
+from pipelines import state_source  # noqa: F401  (new sessions get the checkpoint format)
+from pipelines._savepoints import write_savepoint
 from pipelines._sinks import ParquetSink, Sink, SparkWriterSink
 from pipelines._sources import FileSource, Source, SparkReadSource
 from pipelines._spec import SOURCE, Stage, StatefulPipeline
@@ -39,7 +41,6 @@ from pipelines.runner import (
     job_id_for,
 )
 from pipelines.state_reader import StateReadError, UnknownStageError, read_state, state_stages
-from pipelines.state_source import register_checkpoint_source
 
 __all__ = [
     # the pipeline spec and its stages
@@ -65,6 +66,7 @@ __all__ = [
     "SourcePosition",
     "StatefulRunner",
     "job_id_for",
+    "write_savepoint",
     # what a run raises
     "BatchListChangedError",
     "ClaimRefusedError",
@@ -75,7 +77,6 @@ __all__ = [
     "StateReadError",
     "UnknownStageError",
     "read_state",
-    "register_checkpoint_source",
     "state_stages",
 ]
 
@@ -101,6 +102,8 @@ _ELSEWHERE = {
     "open_snapshot": "pipelines.state_reader",
     "read_state_part": "pipelines.state_reader",
     "CheckpointDataSource": "pipelines.state_source",
+    "register_checkpoint_source": "pipelines.state_source",
+    "NonRestoredStateError": "pipelines.runner",
 }
 
 

@@ -5,6 +5,8 @@ what to do instead."""
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import pyarrow as pa
+
 from checkpoint_storage import (
     CheckpointMetadata,
     CheckpointNotFoundError,
@@ -13,7 +15,11 @@ from checkpoint_storage import (
     RestoreMode,
     VerificationProblem,
 )
-from checkpoint_storage.spi import CompletedCheckpointStorageLocation, StreamStateHandle
+from checkpoint_storage.spi import (
+    STATE_SCHEMA_PREFIX,
+    CompletedCheckpointStorageLocation,
+    StreamStateHandle,
+)
 from pipelines._positions import SourcePosition, job_id_for
 from pipelines._spec import PartitionOrder, StatefulPipeline
 
@@ -22,9 +28,12 @@ __all__ = [
     "CorruptStateError",
     "DamagedState",
     "MissingStateError",
+    "NonRestoredStateError",
     "check_claim",
+    "check_non_restored_state",
     "check_restore_from",
     "damaged_state",
+    "evolved_keyed_stages",
 ]
 
 
@@ -60,6 +69,39 @@ def check_claim(
         "use NO_CLAIM (restore_mode RestoreMode.NO_CLAIM), which copies the state into this "
         "pipeline's own checkpoints and never deletes the snapshot"
     )
+
+
+class NonRestoredStateError(ValueError):
+    """A snapshot holds the state of stages the pipeline no longer has, and the restore does
+    not allow leaving it behind (Flink's ``allowNonRestoredState``)."""
+
+
+def check_non_restored_state(metadata: CheckpointMetadata, pipeline: StatefulPipeline,
+                             pointer: str, allow: bool) -> list[str]:
+    """The stages of the snapshot at ``pointer`` that ``pipeline`` no longer has: refused
+    (``NonRestoredStateError``) unless ``allow``, when their state is left behind."""
+    names = {stage.name for stage in pipeline.stages}
+    gone = sorted(op.operator_id for op in metadata.operator_states
+                  if op.operator_id not in names)
+    if gone and not allow:
+        raise NonRestoredStateError(
+            f"{pointer} holds the state of stage(s) {gone}, which pipeline {pipeline.name} no "
+            f"longer has (its stages: {sorted(names)}). Nothing was run. Restore with "
+            "allow_non_restored_state=True to leave that state behind (the next checkpoints "
+            "no longer hold it), or add the stage(s) back")
+    return gone
+
+
+def evolved_keyed_stages(metadata: CheckpointMetadata, pipeline: StatefulPipeline) -> list[str]:
+    """The keyed stages whose state schema in ``metadata`` is not the stage's (their files
+    are converted as they are read)."""
+    evolved = []
+    for stage in pipeline.keyed_stages:
+        stored = metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name)
+        if stored is not None and not pa.ipc.read_schema(pa.py_buffer(stored)).equals(
+                stage.state_schema, check_metadata=False):
+            evolved.append(stage.name)
+    return evolved
 
 
 class CorruptStateError(MissingStateError):
@@ -129,11 +171,13 @@ def _does_not_fit_message(
 
 def check_restore_from(
     storage: CheckpointStorage, pointer: str, partition: str, pipeline: StatefulPipeline,
-    mode: RestoreMode | str = RestoreMode.NO_CLAIM,
+    mode: RestoreMode | str = RestoreMode.NO_CLAIM, *, allow_non_restored_state: bool = False,
 ) -> SourcePosition:
     """The position ``pointer`` (a checkpoint or savepoint) holds, once it is known to exist,
     to validate and to fit ``partition``; ``MissingStateError`` with a clear message
-    otherwise, ``ClaimRefusedError`` for a CLAIM (``mode``) that ``check_claim`` refuses.
+    otherwise, ``ClaimRefusedError`` for a CLAIM (``mode``) that ``check_claim`` refuses,
+    ``NonRestoredStateError`` for state of stages the pipeline no longer has (unless
+    ``allow_non_restored_state``).
     Storage only (reads one `_metadata`): run it before any Spark work."""
     partition = pipeline.order.check(partition)
     access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
@@ -154,4 +198,6 @@ def check_restore_from(
             _does_not_fit_message(location.external_pointer, position, partition, pipeline.order)
         )
     check_claim(access, location, metadata, RestoreMode(mode))
+    check_non_restored_state(metadata, pipeline, location.external_pointer,
+                             allow_non_restored_state)
     return position

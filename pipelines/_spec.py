@@ -7,12 +7,13 @@ checkpoints and how many checkpoints it keeps. The runner executes it; the Dagst
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from pipelines._sinks import Sink
 from pipelines._sources import Source
@@ -21,6 +22,7 @@ from pipelines.keyed import (
     UPPER_BOUND_MAX_PARALLELISM,
     FullSnapshotPolicy,
     KeyedStage,
+    check_evolution_spec,
 )
 from pipelines.keyed._stage import check_stage_name
 
@@ -46,12 +48,18 @@ class Stage:
     ``input`` names what the stage reads: ``SOURCE`` (the pipeline's source batches) or an
     earlier stage's name (that stage's output). ``None``: the previous stage's output, or the
     source for the first stage.
+
+    ``renamed`` (old column name -> new) and ``defaults`` (added column -> value): how state
+    restored from a snapshot written under an older ``state_schema`` evolves into this one
+    (docs/pipelines.md, "Upgrading a pipeline").
     """
 
     name: str
     state_schema: T.StructType
     apply: Callable[[DataFrame, DataFrame], tuple[DataFrame, DataFrame]]
     input: str | None = None
+    renamed: Mapping[str, str] = field(default_factory=dict, hash=False)
+    defaults: Mapping[str, object] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         check_stage_name(self.name)
@@ -62,6 +70,9 @@ class Stage:
         if not callable(self.apply):
             raise TypeError(f"stage {self.name}: apply must be callable")
         _refuse_state_first(f"stage {self.name}", self.apply)
+        check_evolution_spec(self.renamed, self.defaults,
+                             to_arrow_schema(self.state_schema, timezone="UTC"), (),
+                             f"stage {self.name}")
 
 
 _STATE_NAME = re.compile(r"(\w+_)?state")
@@ -187,6 +198,12 @@ class StatefulPipeline:
     stage's chain of change files is replaced by a full snapshot of its range (after
     ``every`` change files, or when they outgrow ``ratio`` times the last snapshot).
 
+    ``initial_state``: per stage name, the state its first run starts from instead of
+    empty (a bootstrap, Flink's State Processor API): a DataFrame, a table name
+    (``spark.table``) or a function ``spark -> DataFrame``, rows of the stage's state
+    schema (a keyed stage's: one row per key). Used only when the pipeline has no snapshot
+    to restore, or a restored one lacks the stage (a stage added since).
+
     ``name`` is stable and readable (lowercase letters, digits, ``_``): the job id (and so the
     checkpoint directory) derives from it, every `_metadata` records it, and every Dagster
     name of the pipeline starts with it. ``deps``: upstream Dagster assets (e.g. the asset
@@ -206,6 +223,8 @@ class StatefulPipeline:
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     keyed_parallelism: int | None = None
     full_snapshot: FullSnapshotPolicy = FullSnapshotPolicy()
+    initial_state: "Mapping[str, DataFrame | str | Callable[[SparkSession], DataFrame]]" = field(
+        default_factory=dict, compare=False, hash=False)
     order: PartitionOrder = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -259,6 +278,17 @@ class StatefulPipeline:
                     f"neither {SOURCE!r} nor an earlier stage ({seen or 'none'})"
                 )
             seen.append(stage.name)
+        if not isinstance(self.initial_state, Mapping):
+            raise TypeError(f"pipeline {self.name}: initial_state must map stage names to a "
+                            "DataFrame, a table name or a function spark -> DataFrame")
+        for stage_name, rows in self.initial_state.items():
+            if stage_name not in seen:
+                raise ValueError(f"pipeline {self.name}: initial_state names {stage_name!r}, "
+                                 f"which is not one of its stages {seen}")
+            if not isinstance(rows, DataFrame | str) and not callable(rows):
+                raise TypeError(f"pipeline {self.name}: initial_state of {stage_name!r} must be "
+                                "a DataFrame, a table name or a function spark -> DataFrame, "
+                                f"got {type(rows).__name__}")
         sink_names = set()
         for sink in self.sinks:
             if not isinstance(sink, Sink):

@@ -9,17 +9,19 @@ a checkpoint interval, apply a batch, snapshot it into a checkpoint, read it who
 import datetime as dt
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import from_arrow_schema as to_spark_schema
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from checkpoint_storage import CheckpointMetadata, CheckpointStorage, InvalidCheckpointError
 from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
+    STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
     CheckpointStorageLocation,
     OperatorState,
@@ -31,6 +33,8 @@ from pipelines.keyed import (
     KeyedStage,
     KeyedStageDriver,
     KeyedStageState,
+    check_evolution,
+    evolve_table,
 )
 from pipelines.state_io import (
     HANDLE_ROW_SCHEMA,
@@ -104,6 +108,12 @@ class StageKind(ABC):
         """The state before the pipeline's first batch."""
 
     @abstractmethod
+    def bootstrap(self, rows: DataFrame, state, pending: PendingLocation):
+        """``state`` (empty) with ``rows`` as the stage's state: its initial state, or the
+        state a savepoint is written from (``write_savepoint``); a ValueError naming the stage
+        when the rows do not fit its state schema."""
+
+    @abstractmethod
     def restore(self, metadata: CheckpointMetadata, parallelism: int | None = None):
         """The stage's state in ``metadata``, or InvalidCheckpointError naming what does not
         fit. ``parallelism``: the partitions of a DataFrame state (a hint)."""
@@ -162,6 +172,20 @@ class DataFrameStageKind(StageKind):
     def empty(self) -> DataFrame:
         return empty_state(self.spark, self.stage)
 
+    def bootstrap(self, rows: DataFrame, state: DataFrame, pending: PendingLocation
+                  ) -> DataFrame:
+        """The rows, their columns selected by name and cast to the state schema."""
+        declared = self.stage.state_schema
+        missing = [n for n in declared.names if n not in rows.columns]
+        if missing:
+            raise ValueError(f"initial state of stage {self.stage.name}: column(s) {missing} "
+                             f"missing; the state schema has {declared.names}, the rows "
+                             f"{rows.columns}")
+        rows = rows.select([rows[f.name].cast(f.dataType).alias(f.name) for f in declared])
+        _check_state_schema(self.stage, rows)
+        state.unpersist()
+        return rows.localCheckpoint(eager=True)
+
     def restore(self, metadata: CheckpointMetadata, parallelism: int | None = None
                 ) -> DataFrame:
         """Read by the executors, which verify their handles through fsspec (inline handles
@@ -174,15 +198,23 @@ class DataFrameStageKind(StageKind):
                 f"checkpoint {metadata.checkpoint_id} holds no state for stage "
                 f"{stage.name!r} (it has {sorted(operators)})"
             )
+        recorded = metadata.master_states.get(STATE_FORMAT_PREFIX + stage.name)
+        if recorded is not None:  # only keyed stages record a format
+            raise InvalidCheckpointError(
+                f"checkpoint {metadata.checkpoint_id}, stage {stage.name!r}: the snapshot holds "
+                f"the stage's state as {recorded.decode(errors='replace')}, the stage is a "
+                "DataFrame stage; restore a snapshot written by the DataFrame stage, or run "
+                "the stage as it was")
         schema = to_arrow_schema(stage.state_schema, timezone="UTC")
         stored = metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name)
-        if stored is not None:
-            stored_schema = pa.ipc.read_schema(pa.py_buffer(stored))
-            if stored_schema.names != schema.names:
-                raise InvalidCheckpointError(
-                    f"stage {stage.name!r}: checkpoint {metadata.checkpoint_id} has columns "
-                    f"{stored_schema.names}, the stage now expects {schema.names}"
-                )
+        # The files are read as written, then evolved into the stage's schema (checked first).
+        written = schema if stored is None else pa.ipc.read_schema(pa.py_buffer(stored))
+        try:
+            evolved = check_evolution(written, schema, stage.renamed, stage.defaults,
+                                      f"checkpoint {metadata.checkpoint_id}, stage "
+                                      f"{stage.name!r}")
+        except ValueError as exc:
+            raise InvalidCheckpointError(str(exc)) from exc
         rows = [
             handle_to_row(handle, subtask, 0, -1)
             for subtask, subtask_state in op.subtask_states.items()
@@ -196,9 +228,13 @@ class DataFrameStageKind(StageKind):
             HANDLE_ROW_TYPE,
         )
         state = handles.mapInArrow(
-            partial(read_state_partition, StateReadTask(self.storage, schema)),
-            stage.state_schema,
+            partial(read_state_partition, StateReadTask(self.storage, written)),
+            to_spark_schema(written) if evolved else stage.state_schema,
         )
+        if evolved:
+            state = state.mapInArrow(partial(_evolve_batches, schema, dict(stage.renamed),
+                                             dict(stage.defaults), stage.name),
+                                     stage.state_schema)
         if parallelism is not None:
             state = state.repartition(parallelism)
         return state.localCheckpoint(eager=True)
@@ -258,6 +294,14 @@ class KeyedStageKind(StageKind):
 
     def empty(self) -> KeyedStageState:
         return self.driver.empty(self.stage)
+
+    def bootstrap(self, rows: DataFrame, state: KeyedStageState, pending: PendingLocation
+                  ) -> KeyedStageState:
+        """The rows (one per key) grouped by key group and written into the pending
+        checkpoint as each range's first change file (the base of a chain that starts
+        empty)."""
+        checkpoint_id, location = pending()
+        return self.driver.bootstrap(state, rows, checkpoint_id, location.location_reference)
 
     def restore(self, metadata: CheckpointMetadata, parallelism: int | None = None
                 ) -> KeyedStageState:
@@ -361,6 +405,16 @@ def _check_state_schema(stage, state: DataFrame) -> None:
             f"stage {stage.name}: the new state does not match the stage's state_schema: "
             + "; ".join(problems) + ". Return the declared columns, in order, of the declared "
             "types (select and cast them at the end of apply), or change state_schema")
+
+
+def _evolve_batches(schema: pa.Schema, renamed: dict, defaults: dict, stage: str,
+                    batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: a DataFrame stage's restored rows, written under an older state
+    schema, converted into ``schema``."""
+    for batch in batches:
+        table = evolve_table(pa.Table.from_batches([batch]), schema, renamed, defaults,
+                             f"stage {stage}: restored state")
+        yield from table.to_batches()
 
 
 def _rebuild_notes(stage: str, ranges) -> list[str]:

@@ -104,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help=f"with --until: process more than {UNTIL_CONFIRM_ABOVE} partitions without asking",
     )
+    parser.add_argument(
+        "--allow-non-restored-state",
+        action="store_true",
+        help="continue from a checkpoint that holds the state of stages the pipeline no "
+        "longer has (removed in an upgrade), leaving that state behind; without it the run "
+        "is refused, naming them",
+    )
     args = parser.parse_args(argv)
     if args.yes and args.until is None:
         parser.error("argument --yes: only with --until")
@@ -414,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = job.execute_in_process(
                     instance=instance,
                     run_id=run_id,
-                    run_config=PROGRESS,
+                    run_config=PROGRESS | (
+                        {"ops": {NAME: {"config": {"allow_non_restored_state": True}}}}
+                        if args.allow_non_restored_state else {}),
                     tags={
                         "dagster/asset_partition_range_start": partitions[0],
                         "dagster/asset_partition_range_end": partitions[-1],

@@ -17,7 +17,7 @@ batches after it. Sinks write per partition (and batch) idempotently, so replays
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pyspark.sql import DataFrame, SparkSession
@@ -45,6 +45,7 @@ from checkpoint_storage.spi import (
     store_checkpoint_metadata,
     verify_state_handles,
 )
+from pipelines._bootstrap import rows_of
 from pipelines._positions import (
     SourcePosition,
     _position_key,
@@ -59,12 +60,15 @@ from pipelines._restore_checks import (
     CorruptStateError,
     DamagedState,
     MissingStateError,
+    NonRestoredStateError,
     _does_not_fit_message,
     _handle_key,
     _starts_after,
     check_claim,
+    check_non_restored_state,
     check_restore_from,
     damaged_state,
+    evolved_keyed_stages,
 )
 from pipelines._spec import SOURCE, StatefulPipeline
 from pipelines._stage_kinds import empty_state, stage_kinds
@@ -78,6 +82,7 @@ __all__ = [
     "CorruptStateError",
     "DamagedState",
     "MissingStateError",
+    "NonRestoredStateError",
     "PartitionResult",
     "SourcePosition",
     "StageError",
@@ -285,6 +290,10 @@ class StatefulRunner:
         # the first batch), and what verifying its files cost: (files, bytes, seconds).
         self._damaged: list[DamagedState] = []
         self.restore_verification: tuple[int, int, float] | None = None
+        # Whether a restore may leave behind the state of stages the pipeline no longer has,
+        # and the stages that start from their initial state (before the first batch).
+        self._allow_non_restored_state = False
+        self._to_bootstrap: list[str] = []
 
     @property
     def store(self) -> FileSystemCompletedCheckpointStore:
@@ -321,16 +330,23 @@ class StatefulRunner:
         restore_mode: RestoreMode | str = RestoreMode.NO_CLAIM,
         on_partition_done: Callable[[PartitionResult], None] | None = None,
         on_progress: Callable[[str], None] | None = None,
+        allow_non_restored_state: bool = False,
     ) -> list[PartitionResult]:
         """Process consecutive ``partitions`` in order in this session, starting from the
         snapshot that fits the first one (``restore_from``, else the newest retained
         checkpoint that fits), and checkpointing every ``checkpoint_interval`` batches and at
         the end of each partition. ``on_partition_done`` hears of each partition as soon as
         its final checkpoint completed; ``on_progress`` gets a line for the restored state, and
-        per partition a line when it starts, per batch, per checkpoint and when it is done."""
+        per partition a line when it starts, per batch, per checkpoint and when it is done.
+
+        A restored snapshot's state evolves into the stages' state schemas (docs/pipelines.md,
+        "Upgrading a pipeline"); a stage it lacks starts from its initial state, or empty; the
+        state of a stage the pipeline no longer has is refused (``NonRestoredStateError``)
+        unless ``allow_non_restored_state``."""
         partitions = self.order.check_consecutive(partitions)
         if not partitions:
             return []
+        self._allow_non_restored_state = allow_non_restored_state
         self._coordinate()
         with self.access.acquire_job_lease(
             self._lease_owner, ttl=self._lease_ttl, wait=self._lease_wait
@@ -362,6 +378,11 @@ class StatefulRunner:
                 repaired = self._repair(states, origin, partitions[0])
                 if on_progress is not None:
                     on_progress(repaired)
+            for name in self._to_bootstrap:
+                states[name] = self._bootstrap(states, name)
+                if on_progress is not None:
+                    on_progress(f"{name}: started from its initial state")
+            self._to_bootstrap = []
             for partition in partitions:
                 result = self._run_partition(partition, states, position, origin, on_progress)
                 if not results:
@@ -610,6 +631,43 @@ class StatefulRunner:
             for state in states.values():
                 state.unpersist()
 
+    def write_savepoint(self, rows: Mapping[str, DataFrame], position: SourcePosition,
+                        target_directory: str | None = None) -> CheckpointSummary:
+        """Write a self-contained savepoint whose state is ``rows`` (per stage name; a stage
+        not given holds no rows) at ``position``, like a savepoint taken of a run that built
+        that state (Flink's State Processor API). Keyed stages' rows are routed by key group
+        into the savepoint directory, then written as full snapshots there."""
+        unknown = [name for name in rows if name not in self._kinds]
+        if unknown:
+            raise ValueError(f"pipeline {self.pipeline.name} has no stage(s) {unknown} (its "
+                             f"stages: {[stage.name for stage in self.stages]})")
+        self._coordinate()
+        checkpoint_id = self.next_checkpoint_id()
+        location = self.access.initialize_location_for_savepoint(checkpoint_id, target_directory)
+        states = {stage.name: self._kinds[stage.name].empty() for stage in self.stages}
+        try:
+            try:
+                for name, frame in rows.items():
+                    states[name] = self._kinds[name].bootstrap(
+                        frame, states[name], lambda: (checkpoint_id, location))
+            except BaseException:
+                location.dispose_on_failure()
+                raise
+            # The routed rows, superseded by the full snapshots the savepoint references.
+            loaded = [handle for state in states.values()
+                      for chain in getattr(state, "chains", ()) for handle in chain.changes]
+            summary, _, _ = self._snapshot(
+                states, position, checkpoint_id, location, CheckpointProperties.for_savepoint())
+        finally:
+            for state in states.values():
+                state.unpersist()
+        for handle in loaded:
+            try:
+                handle.discard_state()
+            except OSError as exc:  # an unreferenced file left in the savepoint directory
+                logger.warning("could not remove %s: %s", handle, exc)
+        return summary
+
     def savepoint(
         self,
         states: dict[str, DataFrame],
@@ -700,15 +758,66 @@ class StatefulRunner:
                     metadata, parallelism, include_expired=include_expired)
                 for stage in self.stages}
 
-    def _restore(self, metadata: CheckpointMetadata) -> dict:
+    def _restore(self, metadata: CheckpointMetadata, pointer: str | None = None) -> dict:
         """The stages' states from a snapshot: DataFrames read by the executors, and keyed
-        stages' chains (their files are read when a task needs them)."""
-        return {stage.name: self._kinds[stage.name].restore(metadata) for stage in self.stages}
+        stages' chains (their files are read when a task needs them), evolved into the
+        stages' state schemas. A stage the snapshot lacks (added since) starts empty; one it
+        has that the pipeline lacks is refused unless non-restored state is allowed."""
+        pointer = pointer or f"checkpoint {metadata.checkpoint_id}"
+        gone = check_non_restored_state(metadata, self.pipeline, pointer,
+                                        self._allow_non_restored_state)
+        if gone:
+            logger.warning("pipeline %s: the state of stage(s) %s in %s is not restored "
+                           "(allow_non_restored_state)", self.pipeline.name, gone, pointer)
+        held = {op.operator_id for op in metadata.operator_states}
+        states = {}
+        for stage in self.stages:
+            kind = self._kinds[stage.name]
+            if stage.name in held:
+                states[stage.name] = kind.restore(metadata)
+            else:
+                logger.info("pipeline %s: %s holds no state of stage %s (added since): it "
+                            "starts %s", self.pipeline.name, pointer, stage.name,
+                            "from its initial state" if stage.name in self.pipeline.initial_state
+                            else "empty")
+                states[stage.name] = kind.empty()
+        return states
+
+    def _restored(self, metadata: CheckpointMetadata, pointer: str) -> dict:
+        """``_restore`` for a run: the stages the snapshot lacks that have an initial state
+        are bootstrapped before the first batch; a stage whose state schema changed makes
+        the first interval snapshot keyed state whole, so that no later checkpoint references
+        a file written under the old schema."""
+        states = self._restore(metadata, pointer)
+        held = {op.operator_id for op in metadata.operator_states}
+        self._to_bootstrap = [n for n in self.pipeline.initial_state if n not in held]
+        ignored = [n for n in self.pipeline.initial_state if n in held]
+        if ignored:
+            logger.info("pipeline %s: initial_state of stage(s) %s ignored: %s holds their "
+                        "state", self.pipeline.name, ignored, pointer)
+        if evolved_keyed_stages(metadata, self.pipeline):
+            self._full_snapshot_due = True
+        return states
+
+    def _bootstrap(self, states: dict, name: str):
+        """Stage ``name``'s initial state (``StatefulPipeline.initial_state``), written into
+        the pending checkpoint by a keyed stage."""
+        kind = self._kinds[name]
+        if kind.writes_between_checkpoints:
+            self._prepare_interval(states)
+        rows = rows_of(self.spark, self.pipeline.initial_state[name],
+                       f"pipeline {self.pipeline.name}, initial_state of stage {name}")
+        try:
+            return kind.bootstrap(rows, states[name], self._pending_location)
+        except Exception as exc:
+            raise ValueError(f"pipeline {self.pipeline.name}, initial state of stage {name}: "
+                             f"{error_line(exc)}") from exc
 
     def _starting_point(
         self, partition: str, restore_from: str | None, mode: RestoreMode
     ) -> tuple[str | None, dict[str, DataFrame], SourcePosition]:
         self._damaged = []
+        self._to_bootstrap = []
         if restore_from is not None:
             location = self.access.resolve_checkpoint(restore_from)
             metadata = location.load_metadata()
@@ -719,21 +828,27 @@ class StatefulRunner:
                                           self.order)
                 )
             check_claim(self.access, location, metadata, mode)
+            check_non_restored_state(metadata, self.pipeline, location.external_pointer,
+                                     self._allow_non_restored_state)
             self._verify_restored(location.external_pointer, metadata, partition)
+            # Before the snapshot joins the store: state that does not fit is refused first.
+            states = self._restored(metadata, location.external_pointer)
             checkpoint = self.store.restore(location, mode)
             # A claimed savepoint is deleted once subsumed, an unclaimed snapshot belongs to
             # someone else: keyed chains must not go on referencing their files.
-            self._full_snapshot_due = checkpoint.is_savepoint() or mode is RestoreMode.NO_CLAIM
-            return checkpoint.external_pointer, self._restore(metadata), position
+            self._full_snapshot_due = (checkpoint.is_savepoint() or mode is RestoreMode.NO_CLAIM
+                                       or bool(evolved_keyed_stages(metadata, self.pipeline)))
+            return checkpoint.external_pointer, states, position
         for checkpoint in reversed(self.store.all()):
             position = SourcePosition.of(checkpoint.metadata)
             if position.fits(partition, self.order):
                 self._verify_restored(checkpoint.external_pointer, checkpoint.metadata,
                                       partition)
-                states = self._restore(checkpoint.metadata)
+                states = self._restored(checkpoint.metadata, checkpoint.external_pointer)
                 return checkpoint.external_pointer, states, position
         if self.order.previous(partition) is None:
             fresh = {stage.name: self._kinds[stage.name].empty() for stage in self.stages}
+            self._to_bootstrap = list(self.pipeline.initial_state)
             return None, fresh, SourcePosition(partition, 0, False, batches_digest([]))
         raise MissingStateError(self._missing_state_message(partition))
 

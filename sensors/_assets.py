@@ -142,6 +142,13 @@ class StatefulRunConfig(dg.Config):
         "savepoint, or a checkpoint of this pipeline's own job directory; another job's "
         "checkpoint is refused before any Spark work).",
     )
+    allow_non_restored_state: bool = Field(
+        default=False,
+        description="Restore a snapshot that holds the state of stages the pipeline no longer "
+        "has, leaving that state behind (Flink's allowNonRestoredState). Without it such a "
+        "restore is refused, naming the stages. See docs/pipelines.md, \"Upgrading a "
+        "pipeline\".",
+    )
 
 
 def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retained: dict):
@@ -295,6 +302,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
                 context.partition_keys[0],
                 pipeline,
                 config.restore_mode,
+                allow_non_restored_state=config.allow_non_restored_state,
             )
             mode = RestoreMode(config.restore_mode).value
             context.log.info(f"restoring from {config.restore_from} ({position}, {mode})")
@@ -321,6 +329,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
             context.partition_keys,
             restore_from=config.restore_from,
             restore_mode=config.restore_mode,
+            allow_non_restored_state=config.allow_non_restored_state,
             on_partition_done=record,
             on_progress=context.log.info,
         )

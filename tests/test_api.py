@@ -50,12 +50,12 @@ PUBLIC = {
         "FileSource", "ParquetSink", "Sink", "Source", "SparkReadSource", "SparkWriterSink",
         # running without Dagster
         "CheckpointSummary", "PartitionResult", "SourcePosition", "StatefulRunner", "job_id_for",
+        "write_savepoint",
         # what a run raises
         "BatchListChangedError", "ClaimRefusedError", "CorruptStateError", "MissingStateError",
         "StageError",
         # reading state
-        "StateReadError", "UnknownStageError", "read_state", "register_checkpoint_source",
-        "state_stages",
+        "StateReadError", "UnknownStageError", "read_state", "state_stages",
     },
     "pipelines.keyed": {
         # declarative aggregates

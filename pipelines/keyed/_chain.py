@@ -45,6 +45,7 @@ from checkpoint_storage.spi import (
     StreamStateHandle,
 )
 from pipelines._parquet_state import read_parquet, write_parquet_state
+from pipelines.keyed._evolution import evolve_table
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
@@ -378,9 +379,13 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
     schema = _file_schema(layout, kind, key_groups)
     narrower = wanted is not None and wanted != key_groups
     try:
-        table = read_parquet(parquet, schema.names,
+        # A file written under an older state schema is converted as it is read (renamed,
+        # added, dropped, widened columns: docs/pipelines.md, "Upgrading a pipeline").
+        present = parquet.schema_arrow.names
+        columns = [n for n in present if n in schema.names or n in layout.renamed]
+        table = read_parquet(parquet, columns,
                              _row_groups_of(parquet, wanted) if narrower else None)
-        table = table.select(schema.names).cast(schema)
+        table = evolve_table(table, schema, layout.renamed, layout.defaults, what)
     except (pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
                                     "checkpoint or a savepoint") from exc

@@ -13,6 +13,7 @@ import datetime as dt
 from dataclasses import dataclass, replace
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 
 from checkpoint_storage import CheckpointMetadata, CheckpointStorage, InvalidCheckpointError
@@ -43,10 +44,11 @@ from pipelines.keyed._chain import (
     decode_keyed_master_state,
     encode_keyed_master_state,
 )
+from pipelines.keyed._evolution import check_evolution
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._local_stores import DEFAULT_LOCAL_STORE_MAX_AGE
-from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
+from pipelines.keyed._stage import KeyedResult, KeyedStage, TtlTimeCharacteristic
 from pipelines.keyed._task import _EPOCH, KeyedRangeResult, KeyedStageTask, _newer
 
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
@@ -99,6 +101,28 @@ class KeyedStageState:
             STATE_SCHEMA_PREFIX + name: self.stage.state_schema.serialize().to_pybytes(),
             KEYED_STATE_PREFIX + name: encode_keyed_master_state(self.layout, self.clock),
         }
+
+
+@dataclass(frozen=True)
+class _LoadRows:
+    """A keyed stage's ``apply`` that makes its input rows the state (initial state, and
+    savepoints written from tables): one row per key, else an error naming a key."""
+
+    stage: str
+    key: tuple[str, ...]
+    columns: list[str]
+
+    def __call__(self, input: pa.Table, state: pa.Table) -> KeyedResult:
+        counts = input.group_by(list(self.key)).aggregate([([], "count_all")])
+        if counts.num_rows != input.num_rows:
+            twice = counts.filter(pc.greater(counts.column("count_all"), 1)).slice(0, 1)
+            example = twice.drop_columns(["count_all"]).to_pylist()[0]
+            raise ValueError(
+                f"initial state of keyed stage {self.stage}: key {example} has "
+                f"{twice.column('count_all')[0].as_py()} rows; the state holds one row per key "
+                "(deduplicate or aggregate the rows by the key first)")
+        return KeyedResult(input.select(self.columns), input.select(list(self.key)).slice(0, 0),
+                           input.slice(0, 0).select(self.columns))
 
 
 def _results_as_chains(results: list[KeyedRangeResult]) -> tuple[KeyedStateChain, ...]:
@@ -170,24 +194,33 @@ class KeyedStageDriver:
                 f"{where}: written with max_parallelism {operator.max_parallelism}, the "
                 f"pipeline has {self.max_parallelism}. The number of key groups is fixed for "
                 "the life of the state: set max_parallelism back to "
-                f"{operator.max_parallelism}")
+                f"{operator.max_parallelism}, or start a new pipeline from a savepoint "
+                "written with write_savepoint from the state (checkpoints read)")
+        stored = pa.ipc.read_schema(pa.py_buffer(
+            metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name, b"")))
         try:
             layout, clock = decode_keyed_master_state(
                 metadata.master_states.get(KEYED_STATE_PREFIX + stage.name, b""),
-                stage.state_schema, where)
+                stored, where)
             chains = chains_from_operator_state(operator)
         except KeyedStateFormatError as exc:
             raise InvalidCheckpointError(str(exc)) from exc
+        rekey = ("A key is fixed for the life of the state: keep it, or start a new pipeline "
+                 "from a savepoint written with write_savepoint from the state re-keyed "
+                 "(checkpoints read, then group it by the new key)")
         if layout.key != stage.key:
             raise InvalidCheckpointError(
                 f"{where}: the state is keyed by {list(layout.key)}, the stage by "
-                f"{list(stage.key)}")
-        stored = pa.ipc.read_schema(pa.py_buffer(
-            metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name, b"")))
-        if stored.names != stage.state_schema.names:
-            raise InvalidCheckpointError(
-                f"{where}: the state has columns {stored.names}, the stage now expects "
-                f"{stage.state_schema.names}")
+                f"{list(stage.key)}. {rekey}")
+        for name in stage.key:
+            old, new = stored.field(name).type, stage.state_schema.field(name).type
+            if old != new:
+                raise InvalidCheckpointError(
+                    f"{where}: key column {name!r} was {old}, is now {new}. {rekey}")
+        try:
+            check_evolution(stored, stage.state_schema, stage.renamed, stage.defaults, where)
+        except ValueError as exc:
+            raise InvalidCheckpointError(str(exc)) from exc
         return KeyedStageState(stage, self.max_parallelism, tuple(chains), clock)
 
     # --- tasks -----------------------------------------------------------------------------
@@ -255,6 +288,31 @@ class KeyedStageDriver:
         state = replace(state, clock=_newer(state.clock, result.newest),
                         chains=tuple(extend_chains(state.chains, result.ranges)))
         return state, result
+
+    def bootstrap(self, state: KeyedStageState, rows: DataFrame, checkpoint_id: int,
+                  reference: CheckpointStorageLocationReference) -> KeyedStageState:
+        """``state`` (empty) with ``rows`` (the state schema's columns, one row per key) as
+        its state: routed by key group like a batch and written into checkpoint
+        ``checkpoint_id``'s shared state as each range's first change file, which a chain
+        that starts empty reads as its base. Under event-time expiry the rows' timestamps
+        advance the clock, and rows already expired at it are left out."""
+        stage = state.stage
+        missing = [n for n in stage.state_schema.names if n not in rows.columns]
+        if missing:
+            raise ValueError(f"initial state of keyed stage {stage.name}: column(s) {missing} "
+                             f"missing; the state schema has {stage.state_schema.names}, the "
+                             f"rows {rows.columns}")
+        rows = rows.select(*stage.state_schema.names)
+        ttl = stage.ttl
+        loader = replace(
+            stage, apply=_LoadRows(stage.name, stage.key, stage.state_schema.names),
+            output_schema=stage.state_schema, event_time=(ttl.timestamp_column if ttl is not None
+                        and ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
+                        else None))
+        loaded, result = self.apply(replace(state, stage=loader), rows, checkpoint_id,
+                                    reference, 0)
+        result.release()
+        return replace(loaded, stage=stage)
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
                  reference: CheckpointStorageLocationReference) -> KeyedStageState:

@@ -1,7 +1,8 @@
 """The shape of one keyed stage's state: key columns, row schema, key groups and expiry."""
 
 import datetime as dt
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,10 @@ class KeyedStateLayout:
     state_schema: pa.Schema
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     ttl: StateTtl | None = None
+    renamed: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    """Old column name -> new, for state files written under an older schema."""
+    defaults: Mapping[str, object] = field(default_factory=dict, compare=False, hash=False)
+    """Values of columns added since state files were written (else null)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", tuple(self.key))
@@ -45,7 +50,8 @@ class KeyedStateLayout:
 
     @classmethod
     def of(cls, stage: KeyedStage, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
-        return cls(stage.key, stage.state_schema, max_parallelism, stage.ttl)
+        return cls(stage.key, stage.state_schema, max_parallelism, stage.ttl, stage.renamed,
+                   stage.defaults)
 
     @property
     def key_hash(self) -> str:

@@ -5,11 +5,14 @@ plain Arrow tables."""
 import datetime as dt
 import enum
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from pipelines.keyed._evolution import check_evolution_spec
 
 __all__ = [
     "KeyedResult",
@@ -138,6 +141,10 @@ class KeyedStage:
     that clock minus the ``ttl`` are dropped before ``apply`` as too late (their keys' state
     may already have expired, as Spark drops rows behind a watermark). Event-time expiry
     needs it.
+
+    ``renamed`` (old column name -> new) and ``defaults`` (added column -> value): how state
+    restored from a snapshot written under an older ``state_schema`` evolves into this one
+    (docs/pipelines.md, "Upgrading a pipeline").
     """
 
     name: str
@@ -148,6 +155,8 @@ class KeyedStage:
     input: str | None = None
     output_schema: pa.Schema | None = None
     event_time: str | None = None
+    renamed: Mapping[str, str] = dataclass_field(default_factory=dict, hash=False)
+    defaults: Mapping[str, object] = dataclass_field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         check_stage_name(self.name)
@@ -212,6 +221,7 @@ class KeyedStage:
                 and self.event_time is None):
             raise ValueError(f"{where}: event-time expiry needs event_time, the input column "
                              "whose newest value is the stage's clock")
+        check_evolution_spec(self.renamed, self.defaults, self.state_schema, key, where)
 
     def empty_state(self) -> pa.Table:
         """A state table with no rows."""

@@ -63,7 +63,8 @@ def test_each_stage_gets_its_kind_and_keyed_stages_share_one_driver(tmp_path):
 
 def test_a_stage_kind_must_implement_the_runners_interface():
     """A kind that leaves out a method the runner calls cannot be made: the ABC says which
-    (restore, apply a batch, snapshot, read whole, the state before the first batch)."""
+    (restore, apply a batch, snapshot, read whole, the state before the first batch, the state
+    from rows)."""
 
     class Partial(StageKind):
         def empty(self):
@@ -71,7 +72,8 @@ def test_a_stage_kind_must_implement_the_runners_interface():
 
     with pytest.raises(TypeError, match="abstract"):
         Partial()
-    assert {"apply", "empty", "frame", "restore", "snapshot"} == StageKind.__abstractmethods__
+    assert {"apply", "bootstrap", "empty", "frame", "restore", "snapshot"} == (
+        StageKind.__abstractmethods__)
     for kind in (DataFrameStageKind, KeyedStageKind):
         assert not inspect.isabstract(kind)
 

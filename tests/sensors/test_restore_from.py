@@ -8,11 +8,19 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from checkpoint_storage import CheckpointMetadata
+from checkpoint_storage.spi import (
+    SOURCE_POSITION_STATE,
+    CheckpointProperties,
+    OperatorState,
+    OperatorSubtaskState,
+)
 from pipelines import SourcePosition, job_id_for
 from resources import SparkResource
 from tests.pipelines.support import click_pipeline
 from tests.sensors.support import materialize_range, pipeline_access, resources_for
 from tests.sensors.support import write_snapshot as snapshot
+from tests.support import finalize, payload, write_state
 
 SPARK_GUARD = "the Spark session was requested"
 
@@ -132,3 +140,33 @@ def test_a_backfill_from_a_retained_partition_end_keeps_the_head_and_records_it(
         f"rewound from end of 2026-10-03 to end of 2026-10-01; the head is kept at "
         f"{pointers['2026-10-03']} (a run of 2026-10-04 continues from it)")
     assert Path(pointers["2026-10-03"], "_metadata").exists()
+
+
+def test_a_savepoint_holding_a_removed_stage_fails_before_spark_unless_allowed(tmp_path):
+    """A savepoint that also holds stage ``gone``, which the pipeline no longer has: the run
+    fails naming it and the run config's allow_non_restored_state, before any Spark work;
+    with allow_non_restored_state it gets as far as Spark."""
+    resources = resources_for(tmp_path, spark_resource=NoSpark())
+    access = pipeline_access(resources["checkpoint_storage"])
+    location = access.initialize_location_for_savepoint(4, str(tmp_path / "sp"))
+    handles = [write_state(location, payload(64, n)) for n in (1, 2)]
+    metadata = CheckpointMetadata(
+        4, tuple(OperatorState(name, 1, subtask_states={0: OperatorSubtaskState((handle,))})
+                 for name, handle in zip(("user_activity", "gone"), handles, strict=True)),
+        {SOURCE_POSITION_STATE: SourcePosition("2026-10-01", 2, True).to_bytes()},
+        CheckpointProperties.for_savepoint(), access.job_id, 0)
+    pointer = finalize(location, metadata).external_pointer
+    with dg.instance_for_test() as instance:
+        refused = materialize_range(
+            instance, resources, "2026-10-02", "2026-10-02",
+            pipeline=click_pipeline(tmp_path), restore_from=pointer,
+        )  # fmt: skip
+        allowed = materialize_range(
+            instance, resources, "2026-10-02", "2026-10-02",
+            pipeline=click_pipeline(tmp_path), restore_from=pointer,
+            allow_non_restored_state=True,
+        )  # fmt: skip
+    message = failure_message(refused)
+    assert "NonRestoredStateError" in message and "stage(s) ['gone']" in message
+    assert "allow_non_restored_state=True" in message and SPARK_GUARD not in message
+    assert f"AssertionError: {SPARK_GUARD}" == failure_message(allowed)

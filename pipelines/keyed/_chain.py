@@ -394,7 +394,10 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
 def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:
     """The row groups that may hold rows of ``wanted`` key groups, by their statistics (the
     files are sorted by key group, so a narrower range reads only its part)."""
-    column = parquet.schema_arrow.get_field_index(KEY_GROUP)
+    # A Parquet column index counts leaf columns (a struct's fields, a list's items), not
+    # Arrow fields: found by path, so a state of nested columns reads the right statistics.
+    column = next(i for i in range(parquet.metadata.num_columns)
+                  if parquet.schema.column(i).path == KEY_GROUP)
     chosen = []
     for index in range(parquet.metadata.num_row_groups):
         statistics = parquet.metadata.row_group(index).column(column).statistics
@@ -473,7 +476,11 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
         if latest is None:
             parts.append(base)
             continue
-        kept = base.join(latest.select(key), key, join_type="left anti")
+        # Joined on the keys and a row index only: Acero joins no nested payload columns
+        # (a state of structs or lists, e.g. state variables').
+        index = base.select(key).append_column("_row", pa.array(np.arange(base.num_rows)))
+        kept = base.take(np.sort(index.join(latest.select(key), key, join_type="left anti")
+                                 .column("_row").to_numpy()))
         upserts = latest.filter(pc.invert(latest.column(DELETED)))
         parts.append(concat_as(layout.stored_schema, [kept, upserts]))
     if not parts:

@@ -39,12 +39,18 @@ from pipelines.keyed._key_groups import (
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._local_stores import local_store_directory, sweep_idle_stores
 from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
+from pipelines.keyed._variables import ListState, MapState, StateChanges, ValueState
 
 __all__ = [
     # declarative aggregates
     "Aggregate",
     "Aggregates",
     "agg",
+    # state variables (KeyedStage.with_variables)
+    "ListState",
+    "MapState",
+    "StateChanges",
+    "ValueState",
     # key groups
     "DEFAULT_MAX_PARALLELISM",
     "KEY_GROUP",
@@ -105,6 +111,11 @@ _ELSEWHERE = {
     "key_type_fits": "pipelines.keyed._stage",
     "forget_verified_files": "pipelines.keyed._store",
     "remove_store": "pipelines.keyed._store",
+    "TTL_TIME": "pipelines.keyed._variables",
+    "VARIABLES_METADATA": "pipelines.keyed._variables",
+    "StateVariables": "pipelines.keyed._variables",
+    "StateView": "pipelines.keyed._variables",
+    "VariablesApply": "pipelines.keyed._variables",
 }
 
 

@@ -139,7 +139,7 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
         state = store.get(table.select(list(stage.key)), cutoff=cutoff)
         if layout.processing_time_ttl:
             state = state.drop_columns(["_written_at"])
-        result = stage.run(table, state)
+        result = stage.run(table, state, now=task.now)
         upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
         (chain,) = task.sources(key_groups)
         access = _change_file_storage(task.storage, chain).create_checkpoint_storage(

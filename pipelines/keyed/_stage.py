@@ -213,6 +213,27 @@ class KeyedStage:
             raise ValueError(f"{where}: event-time expiry needs event_time, the input column "
                              "whose newest value is the stage's clock")
 
+    @classmethod
+    def with_variables(cls, name: str, key: pa.Schema, variables: Sequence,
+                       apply: Callable, *, output_schema: pa.Schema, **options) -> "KeyedStage":
+        """A keyed stage of named state variables (``pipelines.keyed.ValueState``,
+        ``ListState``, ``MapState``), each with its own schema and TTL::
+
+            KeyedStage.with_variables("sessions", pa.schema([("user", pa.string())]), [
+                ValueState("totals", TOTALS), ListState("clicks", CLICK, ttl=day)],
+                apply=step, output_schema=OUT, event_time="ts")
+
+        ``key``: the key columns' schema. ``apply(input, state) -> StateChanges`` gets a
+        ``StateView`` (``state.value(name)``, ``state.list(name)``, ``state.map(name)``) and
+        returns the changes (``pipelines.keyed.StateChanges``). The variables compile into
+        one physical row per key (``state_schema``, with the declaration in its metadata) and
+        the stage's ``ttl``; other ``options`` (``input``, ``event_time``, ...) are
+        ``KeyedStage``'s. See docs/pipelines.md, "State variables"."""
+        from pipelines.keyed._variables import variables_stage  # it builds on this module
+
+        return variables_stage(name, key, variables, apply, output_schema=output_schema,
+                               **options)
+
     def empty_state(self) -> pa.Table:
         """A state table with no rows."""
         return self.state_schema.empty_table()
@@ -249,17 +270,22 @@ class KeyedStage:
         return keys
 
     def run(self, input: pa.Table, state: pa.Table, *,
-            extra_keys: pa.Table | None = None) -> KeyedResult:
+            extra_keys: pa.Table | None = None, now: dt.datetime | None = None) -> KeyedResult:
         """Call ``apply`` and check what it returned: upserts conform to ``state_schema`` (cast
         where Arrow can; key columns only from the same key type, ``check_key_types``),
         deletes carry the key columns, no key is upserted twice or both upserted and deleted,
         and only keys of ``input`` are upserted or deleted: the stage was given the state of
         those keys only, and a key of another key group belongs to another range's task.
         ``extra_keys``: key columns of further keys the stage may change in this batch (e.g.
-        keys a timer fired for; None: none). Errors name the stage and what to fix."""
+        keys a timer fired for; None: none). ``now``: the batch's time for expiry (the task's),
+        passed to an ``apply`` that takes it (a variables stage's). Errors name the stage and
+        what to fix."""
         where = f"keyed stage {self.name}"
         self.check_key_types(input.schema, "the input's")
-        result = self.apply(input, state)
+        if getattr(self.apply, "takes_now", False):
+            result = self.apply(input, state, now=now)
+        else:
+            result = self.apply(input, state)
         if not isinstance(result, KeyedResult):
             raise TypeError(f"{where}: apply returned {type(result).__name__}, expected a "
                             "KeyedResult(upserts, deletes, output)")

@@ -408,7 +408,9 @@ class StateVariables:
                                    ttl["timestamp_column"])
                 variables.append(_KINDS[item["kind"]](item["name"], *schemas, ttl=ttl))
             taken = {v.name for v in variables} | {TTL_TIME}
-            key = pa.schema([f for f in schema if f.name not in taken])
+            # (a reader may add the store's own columns, e.g. the timers': not the key)
+            key = pa.schema([f for f in schema if f.name not in taken
+                             and not f.name.startswith(RESERVED_PREFIX)])
             found = cls(key, tuple(variables), where)
         except (ValueError, KeyError, TypeError, pa.ArrowInvalid) as exc:
             raise ValueError(f"{where}: the recorded state variables cannot be read ({exc}); "
@@ -744,8 +746,8 @@ class VariablesApply:
 
 
 def _timer_fields(changes: StateChanges, where: str) -> dict:
-    """The timers of ``changes`` as ``KeyedResult`` keywords. ADAPTER until the timers of
-    issue 27 item 1 reach this branch: a KeyedResult without those fields refuses timers."""
+    """The timers of ``changes`` as ``KeyedResult`` keywords (``KeyedStage.run`` checks them:
+    a stage without ``time_mode`` refuses them)."""
     known = {f.name for f in dataclasses.fields(KeyedResult)}
     extra = {}
     for name in _TIMER_FIELDS:

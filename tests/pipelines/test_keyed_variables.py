@@ -28,11 +28,14 @@ from pipelines.keyed import (
     ListState,
     MapState,
     StateChanges,
+    TimeMode,
     TtlTimeCharacteristic,
     ValueState,
 )
 from pipelines.state_reader import open_snapshot
 from tests.pipelines.support import PARTITIONS, SOURCE, run_read_cli, storage_of
+from tests.pipelines.test_keyed_timers import OUTPUT as TIMED
+from tests.pipelines.test_keyed_timers import Job, input_table, t
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -354,12 +357,11 @@ def test_bad_variables_are_refused_naming_them():
     (lambda i, s: StateChanges(output=i, values={"profile": pa.table({
         "user": pa.array([1], pa.int64()), "score": [1]})}), "key column 'user' has type int64"),
     (lambda i, s: i, "returned Table, expected a StateChanges"),
-    (lambda i, s: StateChanges(output=i, timers=i), "have no timers"),
+    (lambda i, s: StateChanges(output=i, timers=pa.table({
+        "user": ["a"], "timer": pa.array([T0], UTC)})), "returned timers but the stage has no "
+                                                        "time_mode"),
 ])
 def test_bad_changes_are_refused_naming_the_variable(function, message):
-    if "timers" in message and "timers" in {f.name for f in __import__(
-            "dataclasses").fields(__import__("pipelines").KeyedResult)}:
-        pytest.skip("keyed timers exist: StateChanges.timers is passed on")
     stage = stage_of(function)
     input = pa.table({"user": ["a"], "ts": pa.array([T0], UTC)})
     with pytest.raises((ValueError, TypeError), match=message):
@@ -470,3 +472,47 @@ def test_a_stage_of_three_variables_runs_restores_and_rescales(spark, tmp_path: 
     assert 2 == unknown.exit_code
     assert "no state variable 'nope'; the variables are: totals, amounts, buckets" in (
         unknown.output)
+
+
+# --- with timers ---------------------------------------------------------------------------
+
+def test_variables_and_timers_compose(tmp_path: Path):
+    """A stage of a value and a list with an event-time timer 30 minutes after each row, run
+    by the executor's own functions (no Spark): timers registered in ``StateChanges`` fire
+    once the clock passes them; ``on_timer`` sees the variables, emits the count per fired
+    timer and clears the list; the list is empty, the count kept, in the next batch."""
+    seen = []
+
+    def apply(input, state):
+        seen.append({r["k"]: r["n"] for r in state.value("count").to_pylist()})
+        seen.append(sorted((r["k"], r["ts"]) for r in state.list("times").to_pylist()))
+        counts = input.group_by("k").aggregate([([], "count_all")]).join(
+            state.value("count"), "k", join_type="left outer")
+        counts = pa.table({"k": counts.column("k"), "n": pc.add(
+            counts.column("count_all"), pc.fill_null(counts.column("n"), 0))})
+        timers = pa.table({"k": input.column("k"), "timer": pc.add(
+            input.column("ts"), pa.scalar(dt.timedelta(minutes=30)))})
+        return StateChanges(output=TIMED.empty_table(), values={"count": counts},
+                            appends={"times": input.select(["k", "ts"])}, timers=timers)
+
+    def on_timer(fired, state):
+        emitted = fired.join(state.value("count"), "k", join_type="left outer")
+        return StateChanges(output=emitted.select(["k", "timer", "n"]),
+                            cleared_lists={"times": fired.select(["k"]).group_by("k")
+                                           .aggregate([])})
+
+    stage = KeyedStage.with_variables(
+        "timed", pa.schema([pa.field("k", pa.int64(), nullable=False)]),
+        [ValueState("count", pa.schema([("n", pa.int64())])),
+         ListState("times", pa.schema([("ts", UTC)]))],
+        apply, output_schema=TIMED, event_time="ts",
+        time_mode=TimeMode.EVENT_TIME, on_timer=on_timer)
+    job = Job(tmp_path, stage, 2)
+
+    assert ([], 0, 0) == job.run(input_table([(1, 0, "x", None), (2, 5, "x", None)]))
+    output, _, fired = job.run(input_table([(3, 40, "x", None)]))
+    assert 2 == fired
+    assert [(1, t(30), 1), (2, t(35), 1)] == sorted(
+        (r["k"], r["timer"], r["n"]) for r in output)
+    job.run(input_table([(1, 41, "x", None)]))
+    assert [{1: 1}, []] == seen[-2:]  # the count kept, the list cleared by on_timer

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark import cloudpickle
 
+from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from pipelines import (
     StatefulPipeline,
     StatefulRunner,
@@ -25,17 +26,23 @@ from pipelines import (
 )
 from pipelines.keyed import (
     KeyedStage,
+    KeyedStageTask,
+    KeyedStateChain,
     ListState,
     MapState,
     StateChanges,
     TimeMode,
     TtlTimeCharacteristic,
     ValueState,
+    compute_key_group_range_for_operator_index,
+    extend_chains,
 )
+from pipelines.keyed._batch import _results, _summary
+from pipelines.keyed._executor import _decode_output, _run_partition
+from pipelines.keyed._routing import _ROUTE, _operator_indices, _routes
+from pipelines.keyed._task import _RESULT_SCHEMA, _newer
 from pipelines.state_reader import open_snapshot
 from tests.pipelines.support import PARTITIONS, SOURCE, run_read_cli, storage_of
-from tests.pipelines.test_keyed_timers import OUTPUT as TIMED
-from tests.pipelines.test_keyed_timers import Job, input_table, t
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -476,6 +483,65 @@ def test_a_stage_of_three_variables_runs_restores_and_rescales(spark, tmp_path: 
 
 # --- with timers ---------------------------------------------------------------------------
 
+TIMED = pa.schema([("k", pa.int64()), ("timer", UTC), ("n", pa.int64())])
+
+
+class Job:
+    """One keyed stage's storage, chains and clock; ``run`` applies a batch as the runner's
+    Spark job does (routing, one ``_run_partition`` per range) in this process."""
+
+    def __init__(self, root: Path, stage: KeyedStage, parallelism: int) -> None:
+        self.root, self.stage, self.parallelism = root, stage, parallelism
+        self.storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
+                                                   file_state_size_threshold=0)
+        self.job_id = JobID.generate()
+        self.access = self.storage.create_checkpoint_storage(self.job_id)
+        self.access.initialize_base_locations()
+        self.chains = [KeyedStateChain(compute_key_group_range_for_operator_index(
+            8, parallelism, i), None) for i in range(parallelism)]
+        self.clock, self.checkpoint_id = None, 0
+
+    def run(self, rows: pa.Table) -> tuple[list[dict], int]:
+        """Apply one batch; its output rows and fired timers."""
+        self.checkpoint_id += 1
+        location = self.access.initialize_location_for_checkpoint(self.checkpoint_id)
+        task = KeyedStageTask(self.storage, str(self.job_id), self.checkpoint_id,
+                              location.location_reference, self.stage,
+                              self.stage.output_schema, 8, self.parallelism,
+                              tuple(self.chains), self.checkpoint_id, clock=self.clock,
+                              local_dir=str(self.root / "local"))
+        routes = _routes(task.parallelism)
+        routed = pa.Table.from_batches(list(_operator_indices(
+            task, routes, rows.schema, iter(rows.to_batches()))))
+        results = []
+        for route in routes:
+            mine = routed.filter(pc.equal(routed.column(_ROUTE), route))
+            results += pa.Table.from_batches(list(_run_partition(
+                task, iter(mine.to_batches()))), _RESULT_SCHEMA).to_pylist()
+        _, newest, _ = _summary(task, results)
+        ranges = _results(task, [Spark(r) for r in results if r["row_kind"] != "output"])
+        payloads = pa.Table.from_pylist([r for r in results if r["row_kind"] == "output"],
+                                        _RESULT_SCHEMA)
+        output = pa.Table.from_batches(list(_decode_output(TIMED, iter(
+            payloads.to_batches()))), TIMED).to_pylist()
+        self.chains = extend_chains(self.chains, ranges)
+        self.clock = _newer(self.clock, newest)
+        return output, sum(r.fired_timers for r in ranges)
+
+
+class Spark(dict):
+    def asDict(self) -> dict:  # noqa: N802 - as Spark's Row
+        return dict(self)
+
+
+def t(minutes: float) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=minutes)
+
+
+def keyed_rows(rows: list[tuple[int, float]]) -> pa.Table:
+    return pa.table({"k": pa.array([k for k, _ in rows], pa.int64()),
+                     "ts": pa.array([t(m) for _, m in rows], UTC)})
+
 def test_variables_and_timers_compose(tmp_path: Path):
     """A stage of a value and a list with an event-time timer 30 minutes after each row, run
     by the executor's own functions (no Spark): timers registered in ``StateChanges`` fire
@@ -509,10 +575,10 @@ def test_variables_and_timers_compose(tmp_path: Path):
         time_mode=TimeMode.EVENT_TIME, on_timer=on_timer)
     job = Job(tmp_path, stage, 2)
 
-    assert ([], 0, 0) == job.run(input_table([(1, 0, "x", None), (2, 5, "x", None)]))
-    output, _, fired = job.run(input_table([(3, 40, "x", None)]))
+    assert ([], 0) == job.run(keyed_rows([(1, 0), (2, 5)]))
+    output, fired = job.run(keyed_rows([(3, 40)]))
     assert 2 == fired
     assert [(1, t(30), 1), (2, t(35), 1)] == sorted(
         (r["k"], r["timer"], r["n"]) for r in output)
-    job.run(input_table([(1, 41, "x", None)]))
+    job.run(keyed_rows([(1, 41)]))
     assert [{1: 1}, []] == seen[-2:]  # the count kept, the list cleared by on_timer

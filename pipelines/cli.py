@@ -5,7 +5,7 @@ A plugin of the ``checkpoints`` command (entry point group ``checkpoint_storage.
 built-in commands: the same ``--storage-option``/``-o`` and ``$CHECKPOINTS_STORAGE_OPTIONS``,
 one-line redacted errors and the same exit codes::
 
-    checkpoints read POINTER_OR_JOB --stage NAME [--as-of PARTITION] [--limit N]
+    checkpoints read POINTER_OR_JOB --stage NAME [--variable NAME] [--as-of PARTITION] [--limit N]
                      [--where COLUMN=VALUE ...] [--json | --csv | --parquet PATH]
                      [-o KEY=VALUE ...]
 """
@@ -99,6 +99,14 @@ def read_command(
             autocompletion=complete_stage,
         ),
     ],
+    variable: Annotated[
+        str | None,
+        typer.Option(
+            "--variable", metavar="NAME", show_default=False,
+            help="a state variable of the stage: its rows (key + fields; a row per list "
+            "element or map entry) instead of the physical rows, one per key",
+        ),
+    ] = None,
     as_of: Annotated[
         str | None,
         typer.Option(
@@ -144,13 +152,16 @@ def read_command(
     --parquet PATH writes a Parquet file (never over an existing one); these three give every
     matching row unless --limit is given. --where COLUMN=VALUE keeps rows whose column equals
     VALUE, converted to the column's type (a time without offset is in the column's zone).
+    --variable NAME reads one state variable of a stage that declares them (its rows: key
+    columns and the value's fields, one row per list element or map entry); without it such
+    a stage shows its physical rows, one per key, and names its variables on stderr.
     Exit 2: an unknown stage or column, or a value of the wrong type; 3: no checkpoint at
     POINTER; 4: not a pipeline's, or a state file is corrupt or missing (named).
     """
     run_command(
         lambda: _read(
             pointer, stage, limit, where, json_output, csv_output, parquet,
-            storage_options(storage_option), as_of,
+            storage_options(storage_option), as_of, variable,
         )
     )
 
@@ -165,6 +176,7 @@ def _read(
     parquet: str | None,
     options: dict,
     as_of: str | None = None,
+    variable: str | None = None,
 ) -> None:
     import pyarrow.csv as pacsv
 
@@ -177,7 +189,10 @@ def _read(
         pointer = partition_end_pointer(location(pointer), as_of, options)
         echo(f"as of the end of {as_of}: {pointer}", err=True)
     snapshot = open_snapshot(location(pointer), storage_options=options)
-    table = snapshot.read(stage, where=conditions)
+    table = snapshot.read(stage, where=conditions, variable=variable)
+    if variable is None and (names := snapshot.variables(stage)):
+        echo(f"stage {stage} has state variables {', '.join(names)}: these are its physical "
+             "rows, one per key; --variable NAME reads one variable's rows", err=True)
     rows = table if limit is None else table.slice(0, limit)
     if json_output:
         for line in rows_as_json(rows):

@@ -15,9 +15,15 @@ source reads one per task).
 
 Keyed stages (``CHAIN_FORMAT``, ``keyed-v1``) have one part per key group range: the range's
 chain (its full snapshot, then its change files) replayed, every file verified as a
-DataFrame stage's are. They return the state schema's columns only, and under a TTL never
+DataFrame stage's are. They return the state schema's columns only (and a stage with timers'
+``_timers``: each key's registered timers, a list of UTC timestamps), and under a TTL never
 the rows that had expired when the snapshot was taken (event time: against the stage's clock
 recorded in the snapshot; processing time: against the snapshot's timestamp).
+
+A keyed stage of state variables (``KeyedStage.with_variables``) records them in its state
+schema: ``variable=NAME`` reads one variable's rows (key columns + the value's fields, one row
+per list element or map entry), its expired entries left out as above; without it the
+physical rows (key columns + one nested column per variable) are read.
 
 This module needs pyarrow, checkpoint_storage and the Spark-free core of
 ``pipelines.keyed`` only, never a SparkSession.
@@ -48,9 +54,11 @@ from pipelines._parquet_state import read_parquet
 from pipelines.keyed import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
+    TIMERS,
     KeyedStateChain,
     KeyedStateFormatError,
     KeyedStateLayout,
+    StateVariables,
     TtlTimeCharacteristic,
     chains_from_operator_state,
     decode_keyed_master_state,
@@ -69,6 +77,7 @@ __all__ = [
     "open_snapshot",
     "read_state",
     "read_state_part",
+    "read_variable_part",
     "state_stages",
 ]
 
@@ -171,8 +180,11 @@ def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa
     for ref in part.handles:
         with _named_state_errors(part.stage, ref.describe()):
             handles.append(ref.handle(options))
+    state_schema = schema  # without the timers the reader shows (the layout adds them)
+    if TIMERS in schema.names:
+        state_schema = schema.remove(schema.get_field_index(TIMERS))
     try:
-        layout, clock = decode_keyed_master_state(described, schema, where)
+        layout, clock = decode_keyed_master_state(described, state_schema, where)
         chain = KeyedStateChain.from_subtask_state(OperatorSubtaskState(handles, properties),
                                                    where)
         stored = replay_chains(
@@ -187,24 +199,29 @@ def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa
     return _as_schema(part.stage, live, schema, f"key group range {chain.key_groups}")
 
 
+def _snapshot_now(
+    layout: KeyedStateLayout, clock: dt.datetime | None, snapshot_time: str | None
+) -> dt.datetime | None:
+    """"Now" for expiry at the snapshot: event time the stage's recorded clock, processing
+    time the snapshot's timestamp (None: no TTL, or nothing the reader could tell)."""
+    ttl = layout.ttl
+    if ttl is None:
+        return None
+    if ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
+        return clock
+    return None if snapshot_time is None else _EPOCH + dt.timedelta(
+        milliseconds=int(snapshot_time))
+
+
 def _unexpired(
     stored: pa.Table, layout: KeyedStateLayout, clock: dt.datetime | None,
     snapshot_time: str | None,
 ) -> pa.Table:
-    """``stored`` without the rows expired at the snapshot: event time against the stage's
-    recorded clock, processing time against the snapshot's timestamp (no clock or no
-    timestamp: nothing has expired that the reader could tell)."""
-    ttl = layout.ttl
-    if ttl is None:
-        return stored
-    if ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
-        now = clock
-    else:
-        now = None if snapshot_time is None else _EPOCH + dt.timedelta(
-            milliseconds=int(snapshot_time))
+    """``stored`` without the rows expired at the snapshot (``_snapshot_now``)."""
+    now = _snapshot_now(layout, clock, snapshot_time)
     if now is None:
         return stored
-    return ttl.live(stored, ttl.cutoff(now))
+    return layout.ttl.live(stored, layout.ttl.cutoff(now))
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -283,6 +300,38 @@ def read_state_part(
     return _state_format(part.format, part.stage).read(part, schema, storage_options or {})
 
 
+def _variables(stage: str, schema: pa.Schema, variable: str) -> tuple[StateVariables, pa.Schema]:
+    """The variables ``schema`` records and ``variable``'s rows' schema; a clear error when
+    the stage has none or not that one."""
+    where = f"stage {stage!r}"
+    try:
+        found = StateVariables.from_schema(schema, where)
+    except ValueError as exc:
+        raise InvalidCheckpointError(str(exc)) from exc
+    if found is None:
+        raise ValueError(f"{where} declares no state variables (it is not a "
+                         "KeyedStage.with_variables stage); read it without a variable")
+    return found, found.logical_schema(variable)
+
+
+def read_variable_part(
+    part: StatePart, schema: pa.Schema, variable: str, storage_options: Mapping | None = None
+) -> pa.Table:
+    """Variable ``variable``'s rows in one part of a variables stage (``schema``: its
+    recorded physical schema): key columns + the entry's fields, entries expired at the
+    snapshot left out. What the Spark source runs per part with option ``variable``."""
+    variables, logical = _variables(part.stage, schema, variable)
+    physical = read_state_part(part, schema, storage_options)
+    properties = dict(part.properties)
+    described = properties.get(_KEYED_STATE)
+    now = None
+    if described is not None:
+        layout, clock = decode_keyed_master_state(
+            described.encode(), schema, f"stage {part.stage!r} subtask {part.subtask}")
+        now = _snapshot_now(layout, clock, properties.get(_SNAPSHOT_TIME))
+    return variables.read(physical, variable, now).cast(logical)
+
+
 def _state_format(name: str, stage: str) -> StateFormat:
     found = STATE_FORMATS.get(name)
     if found is None:
@@ -353,11 +402,12 @@ class PipelineSnapshot:
             )
         if stored is not None:
             try:
-                return pa.ipc.read_schema(pa.py_buffer(stored))
+                schema = pa.ipc.read_schema(pa.py_buffer(stored))
             except (pa.ArrowInvalid, OSError) as exc:
                 raise InvalidCheckpointError(
                     f"{self.pointer}: the recorded schema of stage {stage!r} is corrupt ({exc})"
                 ) from exc
+            return self._with_timers(stage, schema)
         for part in self.parts(stage):
             for ref in part.handles:
                 data = _read_bytes(stage, ref, self.storage_options)
@@ -366,6 +416,33 @@ class PipelineSnapshot:
             f"{self.pointer}: stage {stage!r} records neither a schema nor state "
             f"(parallelism {operator.parallelism}, no handles)"
         )
+
+    def variables(self, stage: str) -> list[str]:
+        """The state variables the stage declares (``KeyedStage.with_variables``; none: a
+        plain stage)."""
+        try:
+            found = StateVariables.from_schema(self.schema(stage), f"stage {stage!r}")
+        except ValueError as exc:
+            raise InvalidCheckpointError(str(exc)) from exc
+        return [] if found is None else list(found.by_name)
+
+    def variable_schema(self, stage: str, variable: str) -> pa.Schema:
+        """The schema of variable ``variable``'s rows: key columns + the entry's fields."""
+        return _variables(stage, self.schema(stage), variable)[1]
+
+    def _with_timers(self, stage: str, schema: pa.Schema) -> pa.Schema:
+        """A keyed stage with timers: ``schema`` and its stored ``_timers`` column (readers show
+        the timers with the key's row)."""
+        described = self.metadata.master_states.get(KEYED_STATE_PREFIX + stage)
+        if self.state_format(stage) != CHAIN_FORMAT or described is None:
+            return schema
+        try:
+            layout, _ = decode_keyed_master_state(described, schema, f"stage {stage!r}")
+        except KeyedStateFormatError as exc:
+            raise InvalidCheckpointError(f"{self.pointer}: {exc}") from exc
+        if not layout.timers:
+            return schema
+        return schema.append(layout.stored_schema.field(TIMERS))
 
     def parts(self, stage: str) -> list[StatePart]:
         """The stage's state as independently readable parts (``read_state_part``)."""
@@ -380,14 +457,19 @@ class PipelineSnapshot:
         *,
         where: Mapping[str, object] | None = None,
         limit: int | None = None,
+        variable: str | None = None,
     ) -> pa.Table:
-        """The stage's rows, every part verified as it is read. ``where`` keeps the rows
+        """The stage's rows, every part verified as it is read. ``variable``: a variables
+        stage's variable, read as its rows (``read_variable_part``; None: the physical rows,
+        one per key). ``where`` keeps the rows
         whose columns equal the given values (converted to each column's type; ``None``
         matches nulls); ``limit`` stops after that many rows. A keyed stage's rows are
         its live state: rows expired under its TTL when the snapshot was taken are left
         out (event time: the clock the snapshot records; processing time: the snapshot's
         timestamp as now)."""
-        schema = self.schema(stage)
+        schema = physical = self.schema(stage)
+        if variable is not None:
+            schema = _variables(stage, physical, variable)[1]
         condition = _equality_filter(schema, where or {})
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be 0 or more, got {limit}")
@@ -395,7 +477,10 @@ class PipelineSnapshot:
         for part in self.parts(stage):
             if limit is not None and rows >= limit:
                 break
-            table = read_state_part(part, schema, self.storage_options)
+            if variable is None:
+                table = read_state_part(part, schema, self.storage_options)
+            else:
+                table = read_variable_part(part, physical, variable, self.storage_options)
             if condition is not None:
                 table = table.filter(condition)
             tables.append(table)
@@ -471,9 +556,11 @@ def read_state(
     storage_options: Mapping | None = None,
     where: Mapping[str, object] | None = None,
     limit: int | None = None,
+    variable: str | None = None,
 ) -> pa.Table:
     """The rows of ``stage``'s state in the snapshot at ``pointer``, as an Arrow table with
     the stage's schema (see ``PipelineSnapshot.read``; a keyed stage without the rows that
-    had expired under its TTL at the snapshot's time)."""
+    had expired under its TTL at the snapshot's time; ``variable``: one state variable's
+    rows)."""
     snapshot = open_snapshot(pointer, storage_options=storage_options)
-    return snapshot.read(stage, where=where, limit=limit)
+    return snapshot.read(stage, where=where, limit=limit, variable=variable)

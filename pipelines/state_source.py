@@ -7,7 +7,10 @@ Options: ``stage`` (required), ``storage_options`` (a JSON object of fsspec opti
 an ``endpoint_url``: shipped to the executors, so no secrets) and ``storage_options_from_env``
 (a JSON object mapping fsspec options to environment variables, read by the driver and by
 each executor from its own environment: how credentials reach the executors). The schema is
-the stage's recorded one (master state ``state-schema/<stage>``).
+the stage's recorded one (master state ``state-schema/<stage>``). ``variable``: one state
+variable of a ``KeyedStage.with_variables`` stage, as its rows (key columns + the entry's
+fields: a row per value, list element or map entry); without it, such a stage reads as its
+physical rows (one per key, a nested column per variable).
 
 The source runs on Spark's Python workers, which need this package and pyarrow:
 ``register_checkpoint_source`` gives a local session that names no Python for them the
@@ -27,7 +30,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from checkpoint_storage.spi import options_with_environment
-from pipelines.state_reader import StatePart, open_snapshot, read_state_part
+from pipelines.state_reader import StatePart, open_snapshot, read_state_part, read_variable_part
 from resources import on_session_created
 
 __all__ = ["CHECKPOINT_SOURCE", "CheckpointDataSource", "register_checkpoint_source"]
@@ -76,12 +79,19 @@ class CheckpointDataSource(DataSource):
     def schema(self) -> StructType:
         pointer, stage, static, from_env = self._settings()
         snapshot = open_snapshot(pointer, storage_options=_options(static, from_env))
+        variable = self.options.get("variable")
+        if variable:
+            return from_arrow_schema(snapshot.variable_schema(stage, variable))
         return from_arrow_schema(snapshot.schema(stage))
 
     def reader(self, schema: StructType) -> DataSourceReader:
         pointer, stage, static, from_env = self._settings()
         snapshot = open_snapshot(pointer, storage_options=_options(static, from_env))
-        return _StateReader(snapshot.parts(stage), snapshot.schema(stage), static, from_env)
+        variable = self.options.get("variable") or None
+        if variable is not None:
+            snapshot.variable_schema(stage, variable)  # an unknown variable: said here
+        return _StateReader(snapshot.parts(stage), snapshot.schema(stage), static, from_env,
+                            variable)
 
 
 def _options(static: dict, from_env: dict) -> dict:
@@ -92,12 +102,14 @@ class _StateReader(DataSourceReader):
     """Travels to the executors: plain parts, the Arrow schema and option names only."""
 
     def __init__(
-        self, parts: list[StatePart], schema: pa.Schema, static: dict, from_env: dict
+        self, parts: list[StatePart], schema: pa.Schema, static: dict, from_env: dict,
+        variable: str | None = None,
     ) -> None:
         self.parts = parts
         self.schema = schema
         self.static = static
         self.from_env = from_env
+        self.variable = variable
 
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(part) for part in self.parts] or [InputPartition(None)]
@@ -106,7 +118,11 @@ class _StateReader(DataSourceReader):
         if partition.value is None:
             return
         options = _options(self.static, self.from_env)
-        yield from read_state_part(partition.value, self.schema, options).to_batches()
+        if self.variable is None:
+            table = read_state_part(partition.value, self.schema, options)
+        else:
+            table = read_variable_part(partition.value, self.schema, self.variable, options)
+        yield from table.to_batches()
 
 
 def register_checkpoint_source(spark: SparkSession) -> None:

@@ -60,10 +60,13 @@ PUBLIC = {
     "pipelines.keyed": {
         # declarative aggregates
         "Aggregate", "Aggregates", "agg",
+        # timers and watermarks of a KeyedStage
+        "TimeMode", "Watermark",
+        # state variables
+        "ListState", "MapState", "StateChanges", "ValueState",
         # key groups
         "DEFAULT_MAX_PARALLELISM", "KEY_GROUP", "UPPER_BOUND_MAX_PARALLELISM", "KeyGroupRange",
         "assign_key_groups", "compute_key_group_range_for_operator_index",
-        "compute_operator_index_for_key_group",
         # keyed state in checkpoints
         "CHAIN_FORMAT", "KEYED_STATE_PREFIX", "KeyedStateChain", "KeyedStateFormatError",
         "KeyedStateLayout", "chains_from_operator_state", "decode_keyed_master_state",

@@ -231,6 +231,8 @@ def encode_keyed_master_state(layout: KeyedStateLayout, clock: dt.datetime | Non
         "format": CHAIN_FORMAT, "key": list(layout.key), "key_hash": layout.key_hash,
         "max_parallelism": layout.max_parallelism, "ttl": ttl,
         "clock": None if clock is None else clock.astimezone(dt.UTC).isoformat(),
+        # written only with timers: the description of a stage without stays as it was
+        **({"timers": True} if layout.timers else {}),
     }, sort_keys=True).encode()
 
 
@@ -248,7 +250,7 @@ def decode_keyed_master_state(data: bytes, state_schema: pa.Schema, where: str
             TtlTimeCharacteristic(raw["ttl"]["time_characteristic"]),
             raw["ttl"]["timestamp_column"])
         layout = KeyedStateLayout(tuple(raw["key"]), state_schema, int(raw["max_parallelism"]),
-                                  ttl)
+                                  ttl, bool(raw.get("timers", False)))
         clock = None if raw["clock"] is None else dt.datetime.fromisoformat(raw["clock"])
     except KeyedStateFormatError:
         raise
@@ -399,7 +401,10 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
 def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:
     """The row groups that may hold rows of ``wanted`` key groups, by their statistics (the
     files are sorted by key group, so a narrower range reads only its part)."""
-    column = parquet.schema_arrow.get_field_index(KEY_GROUP)
+    # A Parquet column index counts leaf columns (a struct's fields, a list's items), not
+    # Arrow fields: found by path, so a state of nested columns reads the right statistics.
+    column = next(i for i in range(parquet.metadata.num_columns)
+                  if parquet.schema.column(i).path == KEY_GROUP)
     chosen = []
     for index in range(parquet.metadata.num_row_groups):
         statistics = parquet.metadata.row_group(index).column(column).statistics
@@ -478,7 +483,11 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
         if latest is None:
             parts.append(base)
             continue
-        kept = base.join(latest.select(key), key, join_type="left anti")
+        # by row index: Arrow's joins carry no list columns (e.g. a stage's timers)
+        rows = base.select(key).append_column("__row", pa.array(
+            np.arange(base.num_rows, dtype=np.int64)))
+        kept = base.take(rows.join(latest.select(key), key, join_type="left anti").column(
+            "__row").combine_chunks().sort())
         upserts = latest.filter(pc.invert(latest.column(DELETED)))
         parts.append(concat_as(layout.stored_schema, [kept, upserts]))
     if not parts:

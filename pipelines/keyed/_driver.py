@@ -48,7 +48,7 @@ from pipelines.keyed._evolution import check_evolution
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._local_stores import DEFAULT_LOCAL_STORE_MAX_AGE
-from pipelines.keyed._stage import KeyedResult, KeyedStage, TtlTimeCharacteristic
+from pipelines.keyed._stage import KeyedResult, KeyedStage, TimeMode, TtlTimeCharacteristic
 from pipelines.keyed._task import _EPOCH, KeyedRangeResult, KeyedStageTask, _newer
 
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
@@ -217,6 +217,13 @@ class KeyedStageDriver:
             if old != new:
                 raise InvalidCheckpointError(
                     f"{where}: key column {name!r} was {old}, is now {new}. {rekey}")
+        if layout.timers != stage.has_timers:
+            raise InvalidCheckpointError(
+                f"{where}: the state was written by a stage "
+                f"{'with' if layout.timers else 'without'} timers, the stage now has "
+                f"{'a time_mode' if stage.has_timers else 'none'}: its rows "
+                f"{'carry' if layout.timers else 'lack'} the _timers column. Run the stage "
+                "with the time_mode it had, or start it from empty state")
         try:
             check_evolution(stored, stage.state_schema, stage.renamed, stage.defaults, where)
         except ValueError as exc:
@@ -233,7 +240,9 @@ class KeyedStageDriver:
             state.stage.output_schema, self.max_parallelism,
             parallelism or state.parallelism, state.chains, batch, now, state.clock,
             self.local_dir, self.local_max_age, self.after_write,
-            local_lock_timeout=self.local_lock_timeout)
+            local_lock_timeout=self.local_lock_timeout,
+            processing_time=dt.datetime.now(dt.UTC)
+            if state.stage.time_mode is TimeMode.PROCESSING_TIME else None)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

@@ -479,8 +479,8 @@ def test_list_base_directory_shows_completed_in_progress_and_invalid(layout):
     ]
     heading, header, *lines = table.stdout.splitlines()
     assert f"job {JOB.hex}" == heading
-    assert ["ID", "KIND", "STATUS", "POSITION", "SIZE", "FILES", "AGE", "POINTER"] == (
-        header.split()
+    assert ["ID", "KIND", "STATUS", "POSITION", "SIZE", "WRITTEN", "FILES", "AGE",
+            "POINTER"] == (header.split()
     )
     assert ["in-progress"] == [line.split()[2] for line in lines if "chk-3" in line][:1]
     assert any(line.startswith("invalid: ") and "chk-4" in line for line in lines)

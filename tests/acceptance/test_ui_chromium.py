@@ -41,7 +41,7 @@ VIEWPORT = {"width": 1280, "height": 1000}
 # Dagster's community sign-up dialog opens over the page on a first visit from localhost:
 # marked as seen, as its Skip button does.
 NO_COMMUNITY_DIALOG = "localStorage.setItem('communityNux', JSON.stringify('1'))"
-RETAINED_COLUMNS = ["id", "kind", "position", "size", "files", "age", "pointer"]
+RETAINED_COLUMNS = ["id", "kind", "position", "size", "written", "files", "age", "pointer"]
 # What each event on the state asset says first (its ``event`` metadata and description).
 EVENT_DESCRIPTIONS = {
     "materialization": "Materialization of partition ",

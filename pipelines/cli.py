@@ -339,7 +339,7 @@ def _stages(pointer: str, as_json: bool, options: dict) -> None:
         ttl = stage["ttl"]
         table.add_row(
             stage["stage"], stage["kind"], ", ".join(stage["key"] or []) or "-",
-            "-" if ttl is None else f"{ttl['seconds']:g} s ({ttl['time_characteristic']})",
+            "-" if ttl is None else f"{_duration(ttl['seconds'])} ({ttl['time_characteristic']})",
             stage["timers"] or "-", _dash(stage["max_parallelism"]), str(stage["parallelism"]),
             _dash(stage["live_rows"]), _dash(stage["expired_rows"]),
             _size(stage["state_size"]), _size(stage["written_size"]))
@@ -364,6 +364,18 @@ def _stages(pointer: str, as_json: bool, options: dict) -> None:
                     "-" if file is None else _size(file["size"]),
                     "-" if file is None else (file["path"] or "(inline)"))
         print_table(parts, indent=2)
+
+
+def _duration(seconds: float) -> str:
+    """``30d``, ``1h30m``, ``45s``, ``0.5s``: a TTL, short."""
+    whole, parts = int(seconds), []
+    if whole != seconds or not whole:
+        return f"{seconds:g}s"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if whole >= size:
+            parts.append(f"{whole // size}{unit}")
+            whole %= size
+    return "".join(parts)
 
 
 def _dash(value) -> str:

@@ -36,12 +36,12 @@ def known_customers(input, state):
     return customers, input.select("customer").distinct()
 
 
-def mixed_pipeline(**options) -> StatefulPipeline:
+def mixed_pipeline(ttl=None, **options) -> StatefulPipeline:
     """A keyed and a plain stage, one checkpoint per partition of 4 batches; a range
     snapshots whole once it has 8 change files (at the third checkpoint)."""
     return StatefulPipeline(
         name="statistics",
-        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals),
+        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals, ttl=ttl),
                 Stage("customers", CUSTOMERS, known_customers, input="source")],
         source=SOURCE, partitions=PARTITIONS,
         **({"checkpoint_interval": 10, "max_parallelism": 16,

@@ -15,8 +15,8 @@ from checkpoint_storage import list_checkpoints
 from checkpoint_storage.cli import build_app
 from pipelines import StatefulRunner, register_checkpoint_source
 from pipelines.cli import register
-from tests.pipelines.test_checkpoint_statistics import mixed_pipeline
 from tests.pipelines.support import storage_of
+from tests.pipelines.test_checkpoint_statistics import mixed_pipeline
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -110,8 +110,15 @@ def _operator_statistics(op: OperatorState, identities: set | None, files: set |
     return stats
 
 
+# Counts only some stages have (a keyed stage's files): the total of those that do.
+_PARTIAL = {"full_snapshots", "change_files", "full_snapshots_new", "change_files_new"}
+
+
 def _total(stages: Sequence[dict], name: str) -> int | None:
     values = [s[name] for s in stages]
+    if name in _PARTIAL:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
     if not values:
         return 0
     return None if None in values else sum(values)
@@ -140,8 +147,9 @@ def compute_checkpoint_statistics(
     counts (``full_size``, ``written_size``, ``files``, ``files_new``, ``files_reused``,
     ``inline_handles``, ``full_snapshots``, ``change_files``, ``full_snapshots_new``,
     ``change_files_new``, ``live_rows``, ``expired_rows``: totals, None when a stage does
-    not know), ``durations_ms``, ``previous_publication`` and ``stages`` (the counts per
-    stage, with ``stage`` and ``kind``)."""
+    not know; a keyed stage's files: of the stages that have them, None when none does),
+    ``durations_ms``, ``previous_publication`` and ``stages`` (the counts per stage, with
+    ``stage`` and ``kind``)."""
     identities, files = (None, None) if previous is None else _referenced(previous)
     per_stage = [
         _operator_statistics(op, identities, files, (stages or {}).get(op.operator_id))

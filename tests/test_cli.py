@@ -426,6 +426,7 @@ def test_inspect_json_has_stable_keys(layout):
         "state_size",
         "master_states",
         "operators",
+        "statistics",
     ] == list(doc)
     assert (9, JOB.hex, "savepoint", 1_700_000_000_000, "2023-11-14T22:13:20.000Z") == (
         doc["checkpoint_id"],

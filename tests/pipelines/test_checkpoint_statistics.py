@@ -2,50 +2,25 @@
 those it references, per stage and in total, compared with a walk of the directory; a
 restored run's; and those derived for a checkpoint written without them."""
 
+import io
 import sys
 from pathlib import Path
 
 import pytest
 from pyspark import cloudpickle
-from pyspark.sql import types as T
 
 from checkpoint_storage import list_checkpoints
-from checkpoint_storage._metadata import encode_metadata
 from checkpoint_storage.spi import (
     STATISTICS_STATE,
     ByteStreamStateHandle,
     checkpoint_statistics,
+    store_checkpoint_metadata,
 )
-from pipelines import FullSnapshotPolicy, KeyedStage, Stage, StatefulPipeline, StatefulRunner
-from tests.pipelines.support import (
-    PARTITIONS,
-    SOURCE,
-    TOTALS,
-    customer_totals,
-    storage_of,
-)
+from pipelines import StatefulRunner
+from tests.pipelines.mixed_stages import mixed_pipeline
+from tests.pipelines.support import storage_of
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-CUSTOMERS = T.StructType([T.StructField("customer", T.StringType())])
-
-
-def known_customers(input, state):
-    """A plain (DataFrame) stage: the customers seen so far."""
-    customers = state.unionByName(input.select("customer")).distinct()
-    return customers, input.select("customer").distinct()
-
-
-def mixed_pipeline(ttl=None, **options) -> StatefulPipeline:
-    """A keyed and a plain stage, one checkpoint per partition of 4 batches; a range
-    snapshots whole once it has 8 change files (at the third checkpoint)."""
-    return StatefulPipeline(
-        name="statistics",
-        stages=[KeyedStage("totals", "customer", TOTALS, customer_totals, ttl=ttl),
-                Stage("customers", CUSTOMERS, known_customers, input="source")],
-        source=SOURCE, partitions=PARTITIONS,
-        **({"checkpoint_interval": 10, "max_parallelism": 16,
-            "full_snapshot": FullSnapshotPolicy(every=8, ratio=1000.0, min_bytes=0)} | options))
 
 
 def runner_of(spark, tmp_path: Path, **options) -> StatefulRunner:
@@ -89,6 +64,8 @@ def checked_against_the_walk(job: Path, before: dict[str, int], summary) -> dict
     for name in ("written_size", "full_size", "files_new", "files_reused"):
         assert recorded[name] == sum(s[name] for s in stages.values())
     assert stages["customers"]["full_snapshots"] is None
+    for name in ("full_snapshots", "change_files", "full_snapshots_new", "change_files_new"):
+        assert recorded[name] == stages["totals"][name]  # the keyed stage's: the only one
     chains = stages["totals"]
     assert chains["full_snapshots"] + chains["change_files"] == sum(
         len(s.handles) for s in metadata.operator_states[0].subtask_states.values())
@@ -148,8 +125,9 @@ def test_a_checkpoint_without_statistics_gets_them_derived_from_its_handles(spar
     old = type(newest.metadata)(newest.metadata.checkpoint_id, newest.metadata.operator_states,
                                 master, newest.metadata.properties, newest.metadata.job_id,
                                 newest.metadata.timestamp_ms, newest.metadata.lease_epoch)
-    metadata_file = Path(newest.pointer) / "_metadata"
-    metadata_file.write_bytes(encode_metadata(old))
+    written = io.BytesIO()
+    store_checkpoint_metadata(old, written)
+    (Path(newest.pointer) / "_metadata").write_bytes(written.getvalue())
 
     derived = list_checkpoints(str(tmp_path / "checkpoints" / str(runner.job_id)))[-1].statistics
     assert derived["recorded"] is False

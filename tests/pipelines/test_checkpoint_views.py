@@ -15,8 +15,8 @@ from checkpoint_storage import list_checkpoints
 from checkpoint_storage.cli import build_app
 from pipelines import StatefulRunner, register_checkpoint_source
 from pipelines.cli import register
+from tests.pipelines.mixed_stages import mixed_pipeline
 from tests.pipelines.support import storage_of
-from tests.pipelines.test_checkpoint_statistics import mixed_pipeline
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -72,6 +72,7 @@ def test_list_and_inspect_show_the_statistics(job):
     assert 0 == shown.exit_code, shown.output
     assert "statistics:" in shown.stdout and "recorded" in shown.stdout
     assert "durations: batch " in shown.stdout and "state write" in shown.stdout
+    assert "keyed state: full snapshots " in shown.stdout  # the plain stage has none
     assert f"(of chk-{infos[-2].checkpoint_id}: " in shown.stdout  # its publication
     stage_lines = [line.split() for line in shown.stdout.splitlines()
                    if line.strip().startswith(("totals ", "customers "))]

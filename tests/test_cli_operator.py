@@ -263,8 +263,9 @@ def test_a_declared_plugin_loads_only_when_its_command_runs(tmp_path, monkeypatc
 
 
 def test_the_read_plugin_declares_its_command():
-    """The installed read plugin is lazy: its declaration is found without importing it."""
-    assert {"read"} == set(cli.declared_commands(read_plugin()) or ())
+    """The installed read plugin is lazy: its declarations (read, stages, history) are found
+    without importing it."""
+    assert {"read", "stages", "history"} == set(cli.declared_commands(read_plugin()) or ())
 
 
 # --- completion ---------------------------------------------------------------------------

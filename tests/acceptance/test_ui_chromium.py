@@ -143,8 +143,8 @@ def test_asset_page_shows_checkpoint_statistics_and_their_plots(
 ):
     """At 1280 px the newest materialization's panel lists its checkpoint statistics with the
     values recorded (bytes written of the full size, files new and reused, durations), the
-    written bytes not above the full size; the Plots tab charts them across
-    materializations."""
+    written bytes not above the full size; the Overview tab's Plots toggle charts them
+    across materializations."""
     _chromium_or_skip()
     assert set(STATISTICS) <= set(materialized), sorted(materialized)
     assert 0 < materialized["bytes_written"] <= materialized["bytes_full"]
@@ -157,11 +157,15 @@ def test_asset_page_shows_checkpoint_statistics_and_their_plots(
             shown[label] = row.first.locator("td").nth(1).inner_text().strip()
     for label in ("bytes_written", "bytes_full", "files_new", "files_reused"):
         assert shown[label].replace(",", "") == str(materialized[label]), (shown, screenshot)
+    # The Overview tab's Metadata section: its Plots toggle charts each numeric entry.
     plots = artifacts_dir / "user_activity_statistics_plots.png"
-    with asset_events_page(dagster_dev, tmp_path / "chromium-plots", ["bytes_written"], plots,
-                           path="user_activity?view=plots") as page:  # fmt: skip
-        charts = page.locator("canvas, svg").count()
+    with asset_events_page(dagster_dev, tmp_path / "chromium-plots", ["Plots"], plots,
+                           path="user_activity?view=overview") as page:  # fmt: skip
+        page.get_by_text("Plots", exact=True).first.click()
+        page.get_by_text("bytes_written", exact=True).first.wait_for(timeout=60_000)
+        charts = page.locator("canvas").count()
         text = page.inner_text("body")
+        page.screenshot(path=str(plots), full_page=True)
     assert all(label in text for label in STATISTICS), f"not all plotted (see {plots})"
     assert charts > 0, f"no chart drawn (see {plots})"
 

@@ -7,7 +7,13 @@ readable by any tool: the ``checkpoints`` command shows them decoded (``list``: 
 and each checkpoint's source position; ``inspect``: every master state).
 """
 
-__all__ = ["JOB_NAME_STATE", "SOURCE_POSITION_STATE", "STATE_FORMAT_PREFIX", "STATE_SCHEMA_PREFIX"]
+__all__ = [
+    "JOB_NAME_STATE",
+    "SOURCE_POSITION_STATE",
+    "STATE_FORMAT_PREFIX",
+    "STATE_SCHEMA_PREFIX",
+    "STATISTICS_STATE",
+]
 
 JOB_NAME_STATE = "pipeline-name"
 """UTF-8 text: the name of the job (pipeline) that wrote the checkpoint."""
@@ -24,3 +30,9 @@ STATE_SCHEMA_PREFIX = "state-schema/"
 STATE_FORMAT_PREFIX = "state-format/"
 """``state-format/<stage>``: UTF-8 text naming how a stage's state is stored (absent: the
 writer's default), so that a reader picks the right decoder."""
+
+STATISTICS_STATE = "checkpoint-statistics"
+"""A JSON object: the checkpoint's statistics (bytes written against referenced, files new
+and reused, rows, durations; per stage and in total), as ``compute_checkpoint_statistics``
+makes them. Absent in checkpoints written before it: ``checkpoint_statistics`` derives what
+the handles tell."""

@@ -53,6 +53,7 @@ from checkpoint_storage._metadata import (
     decode_metadata,
     encode_metadata,
 )
+from checkpoint_storage._statistics import checkpoint_statistics
 from checkpoint_storage._storage import FileSystemCheckpointStorage
 from checkpoint_storage.exceptions import (
     CheckpointNotFoundError,
@@ -604,6 +605,11 @@ class CheckpointInfo:
     file_count: int = 0
     modified: datetime | None = None
     master_states: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
+    statistics: dict | None = field(default=None, compare=False, repr=False)
+    """A completed checkpoint's statistics (``checkpoint_statistics``): recorded, or derived
+    from its handles and those of the job's checkpoints listed before it; else None."""
+    metadata: CheckpointMetadata | None = field(default=None, compare=False, repr=False)
+    """A completed checkpoint's `_metadata`, as the listing read it; else None."""
 
     @property
     def completed(self) -> bool:
@@ -777,7 +783,29 @@ def _examine(
         ),
         modified=modified,
         master_states=dict(metadata.master_states),
+        metadata=metadata,
     )
+
+
+def _with_statistics(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:
+    """``infos`` (in listing order) with each completed one's statistics: a checkpoint's new
+    files are those no checkpoint of its job listed before it references (unknown for the
+    first one listed, unless recorded); a savepoint is self-contained: all its files are its
+    own."""
+    before: dict[str | None, list[CheckpointMetadata]] = {}
+    result = []
+    for info in infos:
+        if info.metadata is not None:
+            if info.kind == KIND_SAVEPOINT:
+                previous = ()
+            else:
+                previous = before.setdefault(info.job_id, [])
+                previous = list(previous) if previous else None
+                before[info.job_id].append(info.metadata)
+            info = dataclasses.replace(
+                info, statistics=checkpoint_statistics(info.metadata, previous))
+        result.append(info)
+    return result
 
 
 def _is_metadata_entry(entry: dict) -> bool:
@@ -835,7 +863,7 @@ def list_checkpoints(
     lease_of = _lease_reader(fs)
     with ThreadPoolExecutor(max_workers=min(LIST_PARALLELISM, len(candidates))) as pool:
         infos = list(pool.map(lambda c: _examine(fs, c, options, listed, lease_of), candidates))
-    return sorted(_attribute_savepoints(infos), key=_listing_order)
+    return _with_statistics(sorted(_attribute_savepoints(infos), key=_listing_order))
 
 
 def _attribute_savepoints(infos: list[CheckpointInfo]) -> list[CheckpointInfo]:

@@ -31,8 +31,12 @@ Flink model; it is here, grouped by what it is for:
   ``store_checkpoint_metadata``): what a coordinator puts into ``CheckpointMetadata`` and how
   it writes it (``checkpoint_storage.load_checkpoint_metadata`` reads it back).
 - **Master state names** (``JOB_NAME_STATE``, ``SOURCE_POSITION_STATE``,
-  ``STATE_SCHEMA_PREFIX``, ``STATE_FORMAT_PREFIX``): the convention that makes a writer's
-  checkpoints readable by the ``checkpoints`` command and other tools.
+  ``STATE_SCHEMA_PREFIX``, ``STATE_FORMAT_PREFIX``, ``STATISTICS_STATE``): the convention
+  that makes a writer's checkpoints readable by the ``checkpoints`` command and other tools.
+- **Checkpoint statistics** (``STATISTICS_STATE``, ``compute_checkpoint_statistics``,
+  ``encode_checkpoint_statistics``, ``checkpoint_statistics``): what a writer records of each
+  checkpoint (bytes written against referenced, files new and reused, rows, durations), and
+  what a reader gets back (derived from the handles for checkpoints written without them).
 - **Completed checkpoint stores and the shared state registry** (``CompletedCheckpointStore``,
   ``FileSystemCompletedCheckpointStore``, ``StandaloneCompletedCheckpointStore``,
   ``CompletedCheckpoint``, ``AlsoRetained``, ``SharedStateRegistry``, ``JobStatus``,
@@ -113,6 +117,7 @@ from checkpoint_storage._master_states import (
     SOURCE_POSITION_STATE,
     STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
+    STATISTICS_STATE,
 )
 from checkpoint_storage._metadata import (
     CheckpointProperties,
@@ -131,6 +136,11 @@ from checkpoint_storage._references import (
 )
 from checkpoint_storage._retention import JobStatus
 from checkpoint_storage._shared_state import SharedStateRegistry
+from checkpoint_storage._statistics import (
+    checkpoint_statistics,
+    compute_checkpoint_statistics,
+    encode_checkpoint_statistics,
+)
 from checkpoint_storage._storage import DEFAULT_FILE_STATE_THRESHOLD, DEFAULT_WRITE_BUFFER_SIZE
 from checkpoint_storage._store import (
     AlsoRetained,
@@ -189,6 +199,11 @@ __all__ = [
     "SOURCE_POSITION_STATE",
     "STATE_FORMAT_PREFIX",
     "STATE_SCHEMA_PREFIX",
+    "STATISTICS_STATE",
+    # checkpoint statistics
+    "checkpoint_statistics",
+    "compute_checkpoint_statistics",
+    "encode_checkpoint_statistics",
     # completed checkpoint stores, shared state
     "AlsoRetained",
     "CompletedCheckpoint",

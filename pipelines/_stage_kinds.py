@@ -80,12 +80,15 @@ class StageBatch:
 @dataclass(frozen=True)
 class StageSnapshot:
     """What a checkpoint records of one stage: its operator state, master states besides it,
-    and its live and expired (not dropped yet; None: not known) rows."""
+    and its live and expired (not dropped yet; None: not known) rows; ``parts`` for the
+    checkpoint's statistics: the stage's ``kind`` and, for a keyed stage, the handles of its
+    ``full_snapshots`` and ``change_files``."""
 
     operator_state: OperatorState
     master_states: dict[str, bytes]
     rows: int
     expired_rows: int | None
+    parts: dict = field(default_factory=dict)
 
 
 class StageKind(ABC):
@@ -275,7 +278,7 @@ class DataFrameStageKind(StageKind):
         return StageSnapshot(
             OperatorState(stage.name, max(len(written), 1), subtask_states=subtasks),
             {STATE_SCHEMA_PREFIX + stage.name: schema.serialize().to_pybytes()},
-            sum(row["rows"] for row in written), 0)
+            sum(row["rows"] for row in written), 0, {"kind": "plain"})
 
     def frame(self, state: DataFrame) -> DataFrame:
         return state
@@ -344,8 +347,12 @@ class KeyedStageKind(StageKind):
         if savepoint:  # self-contained: full snapshots inside it
             state = self.driver.snapshot(state, checkpoint_id, location.location_reference)
         expired = state.expired_rows
+        parts = {"kind": "keyed",
+                 "full_snapshots": [c.full_snapshot for c in state.chains
+                                    if c.full_snapshot is not None],
+                 "change_files": [h for c in state.chains for h in c.changes]}
         return StageSnapshot(state.operator_state(), state.master_states(),
-                             state.rows - (expired or 0), expired)
+                             state.rows - (expired or 0), expired, parts)
 
     def frame(self, state: KeyedStageState) -> DataFrame:
         return self.driver.frame(state)

@@ -1,4 +1,6 @@
-"""``checkpoints read``: the rows of a stage's state in a pipeline checkpoint or savepoint.
+"""``checkpoints read``: the rows of a stage's state in a pipeline checkpoint or savepoint;
+``checkpoints stages``: its stages at a glance; ``checkpoints history``: the statistics of a
+job's retained checkpoints (and of older ones, from a Dagster instance's event log).
 
 A plugin of the ``checkpoints`` command (entry point group ``checkpoint_storage.cli``;
 ``register(app)`` adds the command), built on its helpers so that it behaves like the
@@ -8,6 +10,8 @@ one-line redacted errors and the same exit codes::
     checkpoints read POINTER_OR_JOB --stage NAME [--variable NAME] [--as-of PARTITION] [--limit N]
                      [--where COLUMN=VALUE ...] [--json | --csv | --parquet PATH]
                      [-o KEY=VALUE ...]
+    checkpoints stages POINTER_OR_JOB [--json] [-o KEY=VALUE ...]
+    checkpoints history JOB [--dagster-asset KEY] [--json] [-o KEY=VALUE ...]
 """
 
 import datetime as dt
@@ -27,12 +31,15 @@ from checkpoint_storage import (
     url_to_fs,
 )
 from checkpoint_storage.cli import (
+    JsonOption,
     StorageOption,
     UsageError,
     complete_location,
     echo,
+    files_label,
     location,
     new_table,
+    print_json,
     print_table,
     run_command,
     storage_options,
@@ -44,12 +51,17 @@ if TYPE_CHECKING:
 
     from pipelines.state_reader import PipelineSnapshot
 
-__all__ = ["CHECKPOINTS_COMMANDS", "DEFAULT_TABLE_ROWS", "complete_stage",
-           "partition_end_pointer", "read_command", "register", "rows_as_json"]
+__all__ = ["CHECKPOINTS_COMMANDS", "DEFAULT_TABLE_ROWS", "complete_stage", "history_command",
+           "partition_end_pointer", "read_command", "register", "rows_as_json",
+           "stages_command"]
 
 # Read by `checkpoints` from this file's source without importing it (a literal): `read` is
 # listed and completes at once, and pyspark and pyarrow are imported only when it runs.
-CHECKPOINTS_COMMANDS = {"read": "Print or export the rows of a stage's state."}
+CHECKPOINTS_COMMANDS = {
+    "read": "Print or export the rows of a stage's state.",
+    "stages": "The stages of a pipeline checkpoint: kind, key, schema, TTL, rows, key groups.",
+    "history": "The statistics of a job's retained checkpoints, oldest first.",
+}
 
 DEFAULT_TABLE_ROWS = 20
 
@@ -57,10 +69,10 @@ DEFAULT_TABLE_ROWS = 20
 def register(app: typer.Typer) -> None:
     """Add ``read`` to the ``checkpoints`` app (the ``checkpoint_storage.cli`` entry point)."""
     # Paragraphs of one line each, so that help wraps them to the terminal.
-    paragraphs = inspect.cleandoc(read_command.__doc__ or "").split("\n\n")
-    app.command("read", help="\n\n".join(" ".join(p.split()) for p in paragraphs))(
-        read_command
-    )
+    for name, command in (("read", read_command), ("stages", stages_command),
+                          ("history", history_command)):
+        paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+        app.command(name, help="\n\n".join(" ".join(p.split()) for p in paragraphs))(command)
 
 
 def complete_stage(ctx: typer.Context, incomplete: str) -> list[str]:
@@ -284,3 +296,209 @@ def rows_as_json(table: "pa.Table") -> Iterable[str]:
     """One JSON object per row: times in ISO 8601, decimals as strings, bytes as hex."""
     for row in table.to_pylist():
         yield json.dumps(row, default=_text, ensure_ascii=False)
+
+
+# --- stages ----------------------------------------------------------------------------------
+
+def stages_command(
+    pointer: Annotated[
+        str,
+        typer.Argument(
+            metavar="POINTER_OR_JOB", show_default=False, autocompletion=complete_location
+        ),
+    ],
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+) -> None:
+    """The stages of a pipeline checkpoint or savepoint.
+
+    Per stage of POINTER_OR_JOB (a job directory: its latest completed checkpoint), read from
+    its _metadata alone: kind (plain: a DataFrame stage; keyed), key, schema, TTL, timers
+    (when the keyed state has a _timers column), max parallelism and parallelism, live and
+    expired rows, the bytes it references and those this checkpoint wrote; then per part
+    (subtask) its key group range, rows and files (full snapshot, change files, state file;
+    paths relative to the job directory). JSON: a list of stages with keys stage, kind,
+    format, key, schema, ttl, timers, max_parallelism, parallelism, clock, live_rows,
+    expired_rows, state_size, written_size and parts (subtask, key_groups, live_rows,
+    expired_rows, files: role, type, path, size). Exit 3: no checkpoint there; 4: not a
+    pipeline's.
+    """
+    run_command(lambda: _stages(pointer, json_output, storage_options(storage_option)))
+
+
+def _latest_or_pointer(pointer: str, options: dict) -> str:
+    where = location(pointer)
+    name = where.rstrip("/").rpartition("/")[2]
+    if name.startswith(("chk-", "savepoint-")) or name == "_metadata":
+        return where
+    try:
+        latest = latest_checkpoint(where, storage_options=options)
+    except ValueError:
+        return where
+    return latest or where
+
+
+def _stages(pointer: str, as_json: bool, options: dict) -> None:
+    from pipelines.stages_view import stages_of
+
+    where = _latest_or_pointer(pointer, options)
+    stages = stages_of(where, storage_options=options)
+    if as_json:
+        print_json(stages)
+        return
+    echo(f"stages of {where}")
+    table = new_table("STAGE", "KIND", "KEY", "TTL", "TIMERS", "MAX", "PARTS", "LIVE ROWS",
+                      "EXPIRED", "SIZE", "WRITTEN",
+                      right={"MAX", "PARTS", "LIVE ROWS", "EXPIRED", "SIZE", "WRITTEN"})
+    for stage in stages:
+        ttl = stage["ttl"]
+        table.add_row(
+            stage["stage"], stage["kind"], ", ".join(stage["key"] or []) or "-",
+            "-" if ttl is None else f"{_duration(ttl['seconds'])} ({ttl['time_characteristic']})",
+            stage["timers"] or "-", _dash(stage["max_parallelism"]), str(stage["parallelism"]),
+            _dash(stage["live_rows"]), _dash(stage["expired_rows"]),
+            _size(stage["state_size"]), _size(stage["written_size"]))
+    print_table(table)
+    for stage in stages:
+        echo()
+        echo(Text(f"{stage['stage']} ({stage['kind']}): schema "
+                  + ", ".join(f"{f['name']} {f['type']}" for f in stage["schema"]),
+                  style="bold"))
+        parts = new_table("PART", "KEY GROUPS", "LIVE ROWS", "EXPIRED", "ROLE", "SIZE", "FILE",
+                          right={"PART", "LIVE ROWS", "EXPIRED", "SIZE"}, pointer="FILE")
+        for part in stage["parts"]:
+            groups = part["key_groups"]
+            for index, file in enumerate(part["files"] or [None]):
+                first = index == 0
+                parts.add_row(
+                    str(part["subtask"]) if first else "",
+                    ("-" if groups is None else f"{groups[0]}-{groups[1]}") if first else "",
+                    _dash(part["live_rows"]) if first else "",
+                    _dash(part["expired_rows"]) if first else "",
+                    "-" if file is None else file["role"],
+                    "-" if file is None else _size(file["size"]),
+                    "-" if file is None else (file["path"] or "(inline)"))
+        print_table(parts, indent=2)
+
+
+def _duration(seconds: float) -> str:
+    """``30d``, ``1h30m``, ``45s``, ``0.5s``: a TTL, short."""
+    whole, parts = int(seconds), []
+    if whole != seconds or not whole:
+        return f"{seconds:g}s"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if whole >= size:
+            parts.append(f"{whole // size}{unit}")
+            whole %= size
+    return "".join(parts)
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _size(value) -> str:
+    from checkpoint_storage.spi import format_size
+
+    return "-" if value is None else format_size(value)
+
+
+# --- history ---------------------------------------------------------------------------------
+
+def history_command(
+    job: Annotated[
+        str,
+        typer.Argument(metavar="JOB", show_default=False, autocompletion=complete_location),
+    ],
+    dagster_asset: Annotated[
+        str | None,
+        typer.Option(
+            "--dagster-asset", metavar="KEY", show_default=False,
+            help="also what the Dagster instance ($DAGSTER_HOME) recorded of older "
+            "checkpoints: the materializations of asset KEY (a/b for a path)",
+        ),
+    ] = None,
+    json_output: JsonOption = False,
+    storage_option: StorageOption = None,
+) -> None:
+    """The statistics of a job's retained checkpoints, oldest first.
+
+    Per retained checkpoint of the job directory JOB (<base>/<job_id>): id, time, source
+    position, bytes written against full size, files new and reused, full snapshots and
+    change files (keyed stages), live and expired rows, and the durations of its batches,
+    state write and _metadata publication ("-" where not known: a checkpoint written
+    without statistics records none; a _metadata publication is recorded by the next
+    checkpoint). --dagster-asset KEY adds, from the Dagster instance at $DAGSTER_HOME, what
+    the asset's materializations recorded of checkpoints no longer retained (source
+    "dagster"). JSON: a list of objects with keys source, checkpoint_id, timestamp_ms, kind,
+    position, recorded, written_size, full_size, files_new, files_reused, full_snapshots,
+    change_files, live_rows, expired_rows, durations_ms (batch, state_write,
+    metadata_publication) and pointer.
+    """
+    run_command(lambda: _history(job, dagster_asset, json_output,
+                                 storage_options(storage_option)))
+
+
+def _dagster_events(asset: str) -> list[tuple[int | None, dict]]:
+    import os
+
+    if not os.environ.get("DAGSTER_HOME"):
+        raise UsageError("--dagster-asset reads the Dagster instance at $DAGSTER_HOME: set it")
+    import dagster as dg
+
+    key = dg.AssetKey(asset.split("/"))
+    with dg.DagsterInstance.get() as instance:
+        records = instance.fetch_materializations(key, limit=10_000, ascending=True).records
+    events = []
+    for record in records:
+        materialization = record.asset_materialization
+        if materialization is None:
+            continue
+        metadata = {name: getattr(value, "value", value)
+                    for name, value in materialization.metadata.items()}
+        events.append((int(record.timestamp * 1000), metadata))
+    return events
+
+
+def _history(job: str, dagster_asset: str | None, as_json: bool, options: dict) -> None:
+    from pipelines.statistics import checkpoint_history, history_from_events
+
+    rows = checkpoint_history(location(job), storage_options=options)
+    if dagster_asset is not None:
+        retained = {r["checkpoint_id"] for r in rows}
+        rows = sorted([*history_from_events(_dagster_events(dagster_asset), retained), *rows],
+                      key=lambda r: r["checkpoint_id"])
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        echo(f"no retained checkpoints in {location(job)}")
+        return
+    table = new_table("ID", "TIME", "POSITION", "WRITTEN", "SIZE", "FILES", "ROWS", "BATCH",
+                      "WRITE", "PUBLISH", "FROM",
+                      right={"ID", "WRITTEN", "SIZE", "FILES", "ROWS", "BATCH", "WRITE",
+                             "PUBLISH"})
+    for row in rows:
+        durations = row["durations_ms"]
+        files = (None if row["files_new"] is None or row["files_reused"] is None
+                 else row["files_new"] + row["files_reused"])
+        table.add_row(
+            str(row["checkpoint_id"]), _time(row["timestamp_ms"]), row["position"] or "-",
+            _size(row["written_size"]), _size(row["full_size"]),
+            "-" if files is None else files_label(files, row),
+            _dash(row["live_rows"]), *(_milliseconds(durations.get(name))
+                                       for name in ("batch", "state_write",
+                                                    "metadata_publication")),
+            "checkpoint" if row["source"] == "checkpoint" else "dagster")
+    print_table(table)
+
+
+def _time(timestamp_ms: int | None) -> str:
+    if timestamp_ms is None:
+        return "-"
+    moment = dt.datetime.fromtimestamp(timestamp_ms / 1000, dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _milliseconds(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"

@@ -14,6 +14,7 @@ checkpoint inside P); the runner restores the newest such snapshot and replays o
 batches after it. Sinks write per partition (and batch) idempotently, so replays replace.
 """
 
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -36,11 +37,14 @@ from checkpoint_storage.spi import (
     DEFAULT_LEASE_TTL,
     JOB_NAME_STATE,
     SOURCE_POSITION_STATE,
+    STATISTICS_STATE,
     CheckpointProperties,
     CheckpointStorageLocation,
     CompletedCheckpoint,
     CompletedCheckpointStorageLocation,
     FileSystemCompletedCheckpointStore,
+    compute_checkpoint_statistics,
+    encode_checkpoint_statistics,
     format_size,
     store_checkpoint_metadata,
     verify_state_handles,
@@ -165,6 +169,9 @@ class CheckpointSummary:
     expired_rows: dict[str, int | None] = field(default_factory=dict)
     """Rows per stage that the TTL had expired, not dropped yet (0 for a DataFrame stage;
     None: not known, a keyed state restored from a checkpoint that did not record it)."""
+    statistics: dict | None = None
+    """Its statistics (``checkpoint_storage.spi.checkpoint_statistics``): what `_metadata`
+    recorded, with the `_metadata` publication's duration that only the runner knows."""
 
 
 @dataclass
@@ -294,6 +301,11 @@ class StatefulRunner:
         # and the stages that start from their initial state (before the first batch).
         self._allow_non_restored_state = False
         self._to_bootstrap: list[str] = []
+        # For the statistics: when the current checkpoint interval's batches began (None:
+        # not applying batches), and how long the last `_metadata` publication took (a
+        # `_metadata` cannot record its own: the next one records it).
+        self._interval_started: float | None = None
+        self._last_publication: dict | None = None
 
     @property
     def store(self) -> FileSystemCompletedCheckpointStore:
@@ -460,6 +472,7 @@ class StatefulRunner:
                     sink.clear(self.spark, partition)
         rows = {SOURCE: 0} | {stage.name: 0 for stage in self.stages}
         taken: list[CheckpointSummary] = []
+        self._interval_started = time.monotonic()
         interval = self.pipeline.checkpoint_interval
         for index in range(first, len(batches)):
             applied, notes = self._apply_batch(states, partition, batches, index, rows)
@@ -482,6 +495,7 @@ class StatefulRunner:
                 sink.write(self.spark, self._kinds[sink.stage].frame(states[sink.stage]),
                            partition, None)
         final = self.checkpoint(states, position)
+        self._interval_started = None
         taken.append(final)
         progress(_checkpoint_line(final))
         duration = time.monotonic() - started
@@ -596,14 +610,19 @@ class StatefulRunner:
     def checkpoint(
         self, states: dict[str, DataFrame], position: SourcePosition
     ) -> CheckpointSummary:
+        batch_ms = (None if self._interval_started is None
+                    else (time.monotonic() - self._interval_started) * 1000)
         self._prepare_interval(states)
         checkpoint_id, location = self._pending_location()
         self._pending = None
         summary, completed, metadata = self._snapshot(
-            states, position, checkpoint_id, location, CheckpointProperties.for_checkpoint()
+            states, position, checkpoint_id, location, CheckpointProperties.for_checkpoint(),
+            batch_ms,
         )
         self.store.add_checkpoint(CompletedCheckpoint(completed, metadata))
         self._interval_prepared = False
+        if self._interval_started is not None:
+            self._interval_started = time.monotonic()
         return summary
 
     def take_savepoint(
@@ -689,13 +708,15 @@ class StatefulRunner:
         checkpoint_id: int,
         location: CheckpointStorageLocation,
         properties: CheckpointProperties,
+        batch_ms: float | None = None,
     ) -> tuple[CheckpointSummary, CompletedCheckpointStorageLocation, CheckpointMetadata]:
         master = {
             SOURCE_POSITION_STATE: position.to_bytes(),
             JOB_NAME_STATE: self.pipeline.name.encode(),
         }
         operator_states = []
-        state_rows, expired_rows = {}, {}
+        state_rows, expired_rows, parts = {}, {}, {}
+        writing = time.monotonic()
         try:
             for stage in self.stages:
                 snapshot = self._kinds[stage.name].snapshot(
@@ -705,6 +726,7 @@ class StatefulRunner:
                 master.update(snapshot.master_states)
                 state_rows[stage.name] = snapshot.rows
                 expired_rows[stage.name] = snapshot.expired_rows
+                parts[stage.name] = snapshot.parts
             metadata = CheckpointMetadata(
                 checkpoint_id,
                 tuple(operator_states),
@@ -713,7 +735,18 @@ class StatefulRunner:
                 self.job_id,
                 int(time.time() * 1000),
             )
+            # New files: those no retained checkpoint references (a savepoint's are all new).
+            previous = ([] if properties.is_savepoint()
+                        else [c.metadata for c in self.store.all()])
+            statistics = compute_checkpoint_statistics(
+                metadata, previous, stages=parts,
+                durations_ms={"batch": batch_ms,
+                              "state_write": (time.monotonic() - writing) * 1000},
+                previous_publication=self._last_publication)
+            metadata = dataclasses.replace(metadata, master_states={
+                **master, STATISTICS_STATE: encode_checkpoint_statistics(statistics)})
             self._fault("before_metadata", checkpoint_id=checkpoint_id)
+            publishing = time.monotonic()
             out = location.create_metadata_output_stream()
             store_checkpoint_metadata(metadata, out)
         except BaseException:
@@ -726,6 +759,9 @@ class StatefulRunner:
         except BaseException:
             location.dispose_on_failure()
             raise
+        published_ms = round((time.monotonic() - publishing) * 1000, 1)
+        self._last_publication = {"checkpoint_id": checkpoint_id, "ms": published_ms}
+        statistics["durations_ms"]["metadata_publication"] = published_ms
         handles = metadata.all_handles()
         files = [h for h in handles if hasattr(h, "path")]
         summary = CheckpointSummary(
@@ -738,6 +774,7 @@ class StatefulRunner:
             len(handles) - len(files),
             state_rows,
             expired_rows,
+            statistics,
         )
         logger.info("completed %s %s at %s", "savepoint" if summary.savepoint else "checkpoint",
                     summary.pointer, position)

@@ -3,7 +3,10 @@ as a DataFrame, read in parallel on the executors (one input partition per state
 
     spark.read.format("checkpoint").option("stage", "user_activity").load(pointer)
 
-Options: ``stage`` (required), ``storage_options`` (a JSON object of fsspec options such as
+Options: ``stage`` (required, unless ``view`` is ``stages``), ``view`` (``state``, the
+default: the stage's rows; ``stages``: the snapshot's stages at a glance, one row per stage
+part, as ``checkpoints stages`` shows them: ``pipelines.stages_view.STAGE_PART_SCHEMA``),
+``storage_options`` (a JSON object of fsspec options such as
 an ``endpoint_url``: shipped to the executors, so no secrets) and ``storage_options_from_env``
 (a JSON object mapping fsspec options to environment variables, read by the driver and by
 each executor from its own environment: how credentials reach the executors). The schema is
@@ -30,12 +33,14 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from checkpoint_storage.spi import options_with_environment
+from pipelines.stages_view import STAGE_PART_SCHEMA, snapshot_stages, stage_part_rows
 from pipelines.state_reader import StatePart, open_snapshot, read_state_part, read_variable_part
 from resources import on_session_created
 
 __all__ = ["CHECKPOINT_SOURCE", "CheckpointDataSource", "register_checkpoint_source"]
 
 CHECKPOINT_SOURCE = "checkpoint"
+_VIEWS = ("state", "stages")
 
 
 def _json_object(options: Mapping, name: str) -> dict:
@@ -58,9 +63,18 @@ class CheckpointDataSource(DataSource):
     def name(cls) -> str:
         return CHECKPOINT_SOURCE
 
+    def _view(self) -> str:
+        view = self.options.get("view") or "state"
+        if view not in _VIEWS:
+            raise ValueError(f'option "view" of format "{CHECKPOINT_SOURCE}" is one of '
+                             f"{', '.join(_VIEWS)}, not {view!r}")
+        return view
+
     def _settings(self) -> tuple[str, str, dict, dict]:
         pointer = self.options.get("path")
         stage = self.options.get("stage")
+        if self._view() == "stages":
+            stage = stage or ""
         if not pointer:
             raise ValueError(
                 f'format "{CHECKPOINT_SOURCE}" reads a checkpoint or savepoint: pass its '
@@ -68,7 +82,7 @@ class CheckpointDataSource(DataSource):
             )
         static = _json_object(self.options, "storage_options")
         from_env = _json_object(self.options, "storage_options_from_env")
-        if not stage:
+        if not stage and self._view() == "state":
             snapshot = open_snapshot(pointer, storage_options=_options(static, from_env))
             raise ValueError(
                 f'format "{CHECKPOINT_SOURCE}" needs option "stage": the stages of {pointer} '
@@ -78,6 +92,8 @@ class CheckpointDataSource(DataSource):
 
     def schema(self) -> StructType:
         pointer, stage, static, from_env = self._settings()
+        if self._view() == "stages":
+            return from_arrow_schema(STAGE_PART_SCHEMA)
         snapshot = open_snapshot(pointer, storage_options=_options(static, from_env))
         variable = self.options.get("variable")
         if variable:
@@ -87,6 +103,8 @@ class CheckpointDataSource(DataSource):
     def reader(self, schema: StructType) -> DataSourceReader:
         pointer, stage, static, from_env = self._settings()
         snapshot = open_snapshot(pointer, storage_options=_options(static, from_env))
+        if self._view() == "stages":  # read from `_metadata` on the driver: a few rows
+            return _StagesReader(stage_part_rows(snapshot_stages(snapshot)).to_pylist())
         variable = self.options.get("variable") or None
         if variable is not None:
             snapshot.variable_schema(stage, variable)  # an unknown variable: said here
@@ -123,6 +141,16 @@ class _StateReader(DataSourceReader):
         else:
             table = read_variable_part(partition.value, self.schema, self.variable, options)
         yield from table.to_batches()
+
+
+class _StagesReader(DataSourceReader):
+    """Travels to an executor: the stage part rows, as plain values."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        yield from pa.Table.from_pylist(self.rows, STAGE_PART_SCHEMA).to_batches()
 
 
 def register_checkpoint_source(spark: SparkSession) -> None:

@@ -23,6 +23,7 @@ from checkpoint_storage import (
 from checkpoint_storage.spi import StreamStateHandle, format_size, verify_state_handles
 from pipelines import CheckpointSummary, PartitionResult, StatefulPipeline, StatefulRunner
 from pipelines.runner import check_restore_from, damaged_state
+from pipelines.statistics import statistics_metadata
 from resources import CheckpointStorageResource, SparkResource
 from sensors._retained import (
     EVENT_KEY,
@@ -177,6 +178,7 @@ def _materializations(pipeline: StatefulPipeline, result: PartitionResult, retai
             "duration_s": round(result.duration_s, 3),
             **rows,
             **state_rows,
+            **statistics_metadata(checkpoint.statistics),
             **({"rewound": result.rewound} if result.rewound else {}),
             **retained,
         },

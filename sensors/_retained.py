@@ -68,6 +68,9 @@ class RetainedSnapshot:
     file_count: int
     modified: dt.datetime | None
     pointer: str
+    written_size: int | None = None
+    """The bytes it wrote itself (its statistics); the rest of its size it shares with the
+    checkpoints before it. None: not known."""
 
     @property
     def partition_end(self) -> bool:
@@ -102,6 +105,7 @@ def _snapshot(info: CheckpointInfo, kind: str) -> RetainedSnapshot:
     return RetainedSnapshot(
         info.checkpoint_id, kind, info.status, _position(info), info.state_size,
         info.file_count, info.modified, info.pointer,
+        (info.statistics or {}).get("written_size"),
     )  # fmt: skip
 
 
@@ -154,7 +158,9 @@ _COLUMNS = [
      "partition's batches are applied (a boundary to backfill the next partitions from with "
      "restore_from, or to read --as-of), '<partition> batch <n>' after n batches; else its "
      "status (invalid, foreign, unreadable: why its _metadata cannot be used)"),
-    ("size", "string", "state size"),
+    ("size", "string", "state size: all the state it references"),
+    ("written", "string", "the bytes it wrote itself (the rest of its size it shares with "
+     "older checkpoints); '-' when not known"),
     ("files", "int", "state files"),
     ("age", "string", "age when this was recorded"),
     ("pointer", "string", "relative to the directory that holds it"),
@@ -196,6 +202,7 @@ def retained_table(
                 "kind": s.kind,
                 "position": position_label(s),
                 "size": "-" if s.state_size is None else format_size(s.state_size),
+                "written": "-" if s.written_size is None else format_size(s.written_size),
                 "files": s.file_count,
                 "age": format_age(s.age(now), compact=True),
                 "pointer": relative_pointer(s.pointer, directories),

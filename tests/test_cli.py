@@ -426,6 +426,7 @@ def test_inspect_json_has_stable_keys(layout):
         "state_size",
         "master_states",
         "operators",
+        "statistics",
     ] == list(doc)
     assert (9, JOB.hex, "savepoint", 1_700_000_000_000, "2023-11-14T22:13:20.000Z") == (
         doc["checkpoint_id"],
@@ -479,8 +480,8 @@ def test_list_base_directory_shows_completed_in_progress_and_invalid(layout):
     ]
     heading, header, *lines = table.stdout.splitlines()
     assert f"job {JOB.hex}" == heading
-    assert ["ID", "KIND", "STATUS", "POSITION", "SIZE", "FILES", "AGE", "POINTER"] == (
-        header.split()
+    assert ["ID", "KIND", "STATUS", "POSITION", "SIZE", "WRITTEN", "FILES", "AGE",
+            "POINTER"] == (header.split()
     )
     assert ["in-progress"] == [line.split()[2] for line in lines if "chk-3" in line][:1]
     assert any(line.startswith("invalid: ") and "chk-4" in line for line in lines)

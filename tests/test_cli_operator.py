@@ -172,8 +172,9 @@ def test_list_checkpoints_below_finds_every_job_and_savepoint_of_a_data_director
 
 
 def test_metadata_as_json_is_what_inspect_json_prints(tmp_path):
-    """The library's JSON of a `_metadata` equals `inspect --json`; master states are
-    decoded (text), handles typed, rows unknown (None) when not recorded."""
+    """The library's JSON of a `_metadata` equals `inspect --json` but for the statistics
+    inspect adds (derived here: the checkpoint records none); master states are decoded
+    (text), handles typed, rows unknown (None) when not recorded."""
     data = data_directory(tmp_path)
     pointer = str(data / "checkpoints" / JOB_A.hex / "chk-2")
     from checkpoint_storage import resolve_checkpoint_pointer
@@ -181,8 +182,10 @@ def test_metadata_as_json_is_what_inspect_json_prints(tmp_path):
     metadata = resolve_checkpoint_pointer(pointer, {}).load_metadata()
     doc = metadata_as_json(metadata, pointer)
     printed = json.loads(run("inspect", pointer, "--json").stdout)
+    statistics = printed.pop("statistics")
 
     assert doc == printed
+    assert (False, metadata.state_size) == (statistics["recorded"], statistics["full_size"])
     assert (2, JOB_A.hex, "checkpoint") == (doc["checkpoint_id"], doc["job_id"], doc["kind"])
     assert {"name": JOB_NAME_STATE, "encoding": "text", "value": "orders"}.items() <= (
         doc["master_states"][0].items()
@@ -263,8 +266,9 @@ def test_a_declared_plugin_loads_only_when_its_command_runs(tmp_path, monkeypatc
 
 
 def test_the_read_plugin_declares_its_command():
-    """The installed read plugin is lazy: its declaration is found without importing it."""
-    assert {"read"} == set(cli.declared_commands(read_plugin()) or ())
+    """The installed read plugin is lazy: its declarations (read, stages, history) are found
+    without importing it."""
+    assert {"read", "stages", "history"} == set(cli.declared_commands(read_plugin()) or ())
 
 
 # --- completion ---------------------------------------------------------------------------

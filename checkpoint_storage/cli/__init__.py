@@ -44,7 +44,8 @@ from checkpoint_storage.cli.helpers import (
     storage_options,
     warn,
 )
-from checkpoint_storage.cli.listing import describe_position
+from checkpoint_storage.cli.inspecting import statistics_lines, statistics_of, statistics_table
+from checkpoint_storage.cli.listing import describe_position, files_label
 
 __all__ = [
     "COMMAND_GROUPS",
@@ -68,6 +69,7 @@ __all__ = [
     "err_console",
     "error",
     "exit_code_for",
+    "files_label",
     "load_plugins",
     "location",
     "main",
@@ -77,6 +79,9 @@ __all__ = [
     "print_table",
     "progress",
     "run_command",
+    "statistics_lines",
+    "statistics_of",
+    "statistics_table",
     "storage_options",
     "warn",
 ]

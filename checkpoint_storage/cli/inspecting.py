@@ -9,6 +9,7 @@ from rich.text import Text
 from checkpoint_storage import (
     FileStateHandle,
     SegmentFileStateHandle,
+    list_checkpoints,
     metadata_as_json,
     resolve_checkpoint_pointer,
     verify_checkpoint,
@@ -40,8 +41,16 @@ from checkpoint_storage.cli.helpers import (
     run_command,
     storage_options,
 )
+from checkpoint_storage.spi import checkpoint_statistics
 
-__all__ = ["inspect_command", "register", "verify_command"]
+__all__ = [
+    "inspect_command",
+    "register",
+    "statistics_lines",
+    "statistics_of",
+    "statistics_table",
+    "verify_command",
+]
 
 
 def register(app: typer.Typer) -> None:
@@ -67,14 +76,89 @@ def _master_state_lines(state: dict) -> list[str]:
     return [f"{head}: {value}"]
 
 
+def statistics_of(pointer: str, metadata, options: dict) -> dict:
+    """The statistics of the checkpoint at ``pointer``: recorded, or derived from its handles
+    and those of the checkpoints of its job directory before it (listed when needed)."""
+    statistics = checkpoint_statistics(metadata)
+    if statistics["recorded"]:
+        return statistics
+    job = pointer.rstrip("/").rpartition("/")[0]
+    try:
+        listed = list_checkpoints(job, storage_options=options)
+    except (OSError, ValueError):  # not in a job directory: what the handles alone tell
+        return statistics
+    same = [i for i in listed if i.pointer.rstrip("/") == pointer.rstrip("/") and i.statistics]
+    return same[0].statistics if same else statistics
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def _count(value, new=None) -> str:
+    if value is None:
+        return "-"
+    return str(value) if new is None else f"{value} ({new} new)"
+
+
+def statistics_lines(statistics: dict) -> list[str]:
+    """The totals of checkpoint ``statistics`` for people, a few lines; ``-`` where not
+    known (a checkpoint written without statistics)."""
+    durations = statistics["durations_ms"]
+    previous = statistics.get("previous_publication")
+    lines = [
+        f"  {'recorded' if statistics['recorded'] else 'derived from the handles (not recorded)'}",
+        f"  written {human_size(statistics['written_size'])} of "
+        f"{human_size(statistics['full_size'])} full size; files "
+        f"{_count(statistics['files'])}: {_count(statistics['files_new'])} new, "
+        f"{_count(statistics['files_reused'])} reused; "
+        f"{_count(statistics['inline_handles'])} inline",
+    ]
+    if statistics["full_snapshots"] is not None or statistics["change_files"] is not None:
+        lines.append(
+            f"  keyed state: full snapshots "
+            f"{_count(statistics['full_snapshots'], statistics['full_snapshots_new'])}, "
+            f"change files {_count(statistics['change_files'], statistics['change_files_new'])}")
+    lines.append(f"  rows: {_count(statistics['live_rows'])} live, "
+                 f"{_count(statistics['expired_rows'])} expired")
+    lines.append(
+        f"  durations: batch {_ms(durations.get('batch'))}, state write "
+        f"{_ms(durations.get('state_write'))}, _metadata publication "
+        f"{_ms(durations.get('metadata_publication'))}"
+        + (f" (of chk-{previous['checkpoint_id']}: {_ms(previous['ms'])})" if previous else ""))
+    return lines
+
+
+def statistics_table(statistics: dict):
+    """Per stage: kind, full and written size, files (new, reused), full snapshots and
+    change files (new of them), live and expired rows."""
+    table = new_table(
+        "STAGE", "KIND", "SIZE", "WRITTEN", "FILES", "NEW", "REUSED", "FULL SNAPSHOTS",
+        "CHANGE FILES", "LIVE ROWS", "EXPIRED ROWS",
+        right={"SIZE", "WRITTEN", "FILES", "NEW", "REUSED", "FULL SNAPSHOTS", "CHANGE FILES",
+               "LIVE ROWS", "EXPIRED ROWS"},
+    )
+    for stage in statistics["stages"]:
+        table.add_row(
+            stage["stage"], stage["kind"] or "-", human_size(stage["full_size"]),
+            human_size(stage["written_size"]), _count(stage["files"]),
+            _count(stage["files_new"]), _count(stage["files_reused"]),
+            _count(stage["full_snapshots"], stage["full_snapshots_new"]),
+            _count(stage["change_files"], stage["change_files_new"]),
+            _count(stage["live_rows"]), _count(stage["expired_rows"]),
+        )
+    return table
+
+
 def _inspect(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
     if is_flink_pointer(location(pointer_arg), options):
         return flink_inspect(location(pointer_arg), as_json, options, remap)
     completed = resolve_checkpoint_pointer(location(pointer_arg), options)
     metadata = completed.load_metadata()
     doc = metadata_as_json(metadata, completed.external_pointer)
+    statistics = statistics_of(completed.external_pointer, metadata, options)
     if as_json:
-        print_json(doc)
+        print_json(doc | {"statistics": statistics})
         return EXIT_OK
     handles = metadata.all_handles()
     files = sum(1 for h in handles if isinstance(h, FileStateHandle))
@@ -109,6 +193,12 @@ def _inspect(pointer_arg: str, as_json: bool, options: dict, remap=()) -> int:
     width = max(len(k) for k, _ in header)
     for key, value in header:
         echo(Text.assemble((f"{key + ':':<{width + 1}}", "bold"), f" {value}"))
+    echo()
+    echo(Text("statistics:", style="bold"))
+    for line in statistics_lines(statistics):
+        echo(line)
+    if statistics["stages"]:
+        print_table(statistics_table(statistics), indent=2)
     echo()
     echo(Text("master states:", style="bold"))
     for state in doc["master_states"]:
@@ -259,8 +349,12 @@ def inspect_command(
     Shows the _metadata of POINTER (a checkpoint or savepoint directory, or its _metadata
     file): job id, timestamp, properties, master states decoded (JSON in full, Arrow
     schemas as their fields, text; anything else as base64), operators, subtasks and state
-    handles (type, path or inline size, size, CRC-32). JSON: master_states is a list of
-    name, size, encoding (json / arrow-schema / text / base64), value and base64.
+    handles (type, path or inline size, size, CRC-32), and its statistics: bytes written
+    against full size, files new and reused, full snapshots and change files, live and
+    expired rows, durations, per stage and in total (recorded, or derived from the handles
+    for a checkpoint written without them: "-" where not known). JSON: master_states is a
+    list of name, size, encoding (json / arrow-schema / text / base64), value and base64;
+    statistics as docs/operations.md describes them.
 
     An Apache Flink checkpoint or savepoint (docs/storage-flink.md) is shown as Flink wrote
     it: format version, properties, operators (name, uid, parallelism), subtasks' handles

@@ -40,7 +40,7 @@ from checkpoint_storage.cli.helpers import (
     storage_options,
 )
 
-__all__ = ["describe_position", "latest_command", "list_command", "register"]
+__all__ = ["describe_position", "files_label", "latest_command", "list_command", "register"]
 
 _STATUS_STYLES = {
     "completed": "green",
@@ -93,6 +93,12 @@ def describe_position(position: dict | None) -> str:
     return f"{position['partition']}, {batches}"
 
 
+def files_label(count: int, statistics: dict | None) -> str:
+    """``30`` files, ``30 (4 new)`` when the statistics tell how many are new."""
+    new = (statistics or {}).get("files_new")
+    return str(count) if new is None else f"{count} ({new} new)"
+
+
 def _job_name(states: dict) -> str | None:
     data = states.get(JOB_NAME_STATE)
     return None if data is None else data.decode("utf-8", "replace")
@@ -109,6 +115,7 @@ def _info_json(info: CheckpointInfo, now: datetime, shown: str) -> dict:
         "reason": info.reason,
         "state_size": info.state_size,
         "file_count": info.file_count,
+        "statistics": info.statistics,
         "modified": iso_utc(info.modified),
         "age_seconds": None if age is None else round(age.total_seconds(), 3),
         "job_name": _job_name(info.master_states),
@@ -158,10 +165,11 @@ def _list(
             "STATUS",
             "POSITION",
             "SIZE",
+            "WRITTEN",
             "FILES",
             "AGE",
             "POINTER",
-            right={"ID", "SIZE", "FILES", "AGE"},
+            right={"ID", "SIZE", "WRITTEN", "FILES", "AGE"},
             pointer="POINTER",
         )
         for i in rows:
@@ -172,7 +180,8 @@ def _list(
                 Text(i.status, style=_STATUS_STYLES.get(i.status, "")),
                 describe_position(position),
                 human_size(i.state_size),
-                str(i.file_count),
+                human_size((i.statistics or {}).get("written_size")),
+                files_label(i.file_count, i.statistics),
                 format_age(i.age(now), compact=True),
                 shown(i.pointer),
             )
@@ -253,10 +262,14 @@ def list_command(
     directory: id, kind, status (completed / invalid / foreign / unreadable / in-progress /
     abandoned: no _metadata and the job lease released, expired or taken since),
     source position (master state "source-position", e.g. "2026-10-06, 3 batches"), state
-    size, file count, age and pointer (last; on a narrow terminal on its own line, never
+    size (full size: all it references), bytes written (by this checkpoint: files no
+    checkpoint listed before it references, and inline state; "-" when not known), file
+    count (and how many are new), age and pointer (last; on a narrow terminal on its own line, never
     wrapped). --relative shows pointers relative to DIR. JSON: a list of objects with keys
-    pointer, job_id, checkpoint_id, kind, status, reason, state_size, file_count, modified,
-    age_seconds, job_name, source_position (the position's JSON object). A file as DIR is
+    pointer, job_id, checkpoint_id, kind, status, reason, state_size, file_count,
+    statistics (recorded or derived checkpoint statistics, see docs/operations.md; null
+    unless completed), modified, age_seconds, job_name, source_position (the position's
+    JSON object). A file as DIR is
     a usage error (exit 2). Apache Flink's directories (only Flink's checkpoints and
     savepoints below DIR) are listed with each one's _metadata read (docs/storage-flink.md):
     id, kind, type, operators, files, sizes; --remap OLD=NEW reads paths Flink wrote on

@@ -1,10 +1,10 @@
 """The UI in a real browser (issues 6 and 29): headless Chromium (Debian's ``chromium``
 package, driven by Playwright with ``executable_path``, never ``playwright install``) opens the
 ``user_activity`` asset page of the session's ``dagster dev`` at 1280 px and shows the
-checkpoint metadata of a materialization, the ``retained`` table (checkpoints and savepoints
-with their positions and pointers) of the newest event with every column and pointer on
-screen, and says of each event whether it is a materialization, a savepoint or a retention
-tick; screenshots are saved under ``test-artifacts/``.
+checkpoint metadata and statistics (and their plots) of a materialization, the ``retained``
+table (checkpoints and savepoints with their positions and pointers) of the newest event
+with every column and pointer on screen, and says of each event whether it is a
+materialization, a savepoint or a retention tick; screenshots are saved under ``test-artifacts/``.
 
 It skips, with the reason, only when ``/usr/bin/chromium`` is missing (scripts/test installs
 it with apt-get when it can) or the ``playwright`` package is not installed.
@@ -41,7 +41,7 @@ VIEWPORT = {"width": 1280, "height": 1000}
 # Dagster's community sign-up dialog opens over the page on a first visit from localhost:
 # marked as seen, as its Skip button does.
 NO_COMMUNITY_DIALOG = "localStorage.setItem('communityNux', JSON.stringify('1'))"
-RETAINED_COLUMNS = ["id", "kind", "position", "size", "files", "age", "pointer"]
+RETAINED_COLUMNS = ["id", "kind", "position", "size", "written", "files", "age", "pointer"]
 # What each event on the state asset says first (its ``event`` metadata and description).
 EVENT_DESCRIPTIONS = {
     "materialization": "Materialization of partition ",
@@ -130,6 +130,44 @@ def test_asset_page_shows_checkpoint_metadata(
     assert str(materialized["source_position"]) in text
     assert screenshot.stat().st_size > 10_000
     shutil.copy(dagster_dev.log_path, artifacts_dir / "dagster-dev.log")
+
+
+# The checkpoint statistics each materialization records (issue 29), as numbers Dagster plots.
+STATISTICS = ["bytes_written", "bytes_full", "files_new", "files_reused", "batch_ms",
+              "state_write_ms", "metadata_publication_ms"]
+
+
+@pytest.mark.timeout(300)
+def test_asset_page_shows_checkpoint_statistics_and_their_plots(
+    dagster_dev: DagsterDev, materialized: dict, artifacts_dir: Path, tmp_path
+):
+    """At 1280 px the newest materialization's panel lists its checkpoint statistics with the
+    values recorded (bytes written of the full size, files new and reused, durations), the
+    written bytes not above the full size; the Overview tab's Plots toggle charts them
+    across materializations."""
+    _chromium_or_skip()
+    assert set(STATISTICS) <= set(materialized), sorted(materialized)
+    assert 0 < materialized["bytes_written"] <= materialized["bytes_full"]
+    screenshot = artifacts_dir / "user_activity_statistics.png"
+    with asset_events_page(dagster_dev, tmp_path / "chromium-profile", STATISTICS,
+                           screenshot) as page:  # fmt: skip
+        shown = {}
+        for label in STATISTICS:
+            row = page.locator("tr", has=page.locator("td", has_text=re.compile(f"^{label}$")))
+            shown[label] = row.first.locator("td").nth(1).inner_text().strip()
+    for label in ("bytes_written", "bytes_full", "files_new", "files_reused"):
+        assert shown[label].replace(",", "") == str(materialized[label]), (shown, screenshot)
+    # The Overview tab's Metadata section: its Plots toggle charts each numeric entry.
+    plots = artifacts_dir / "user_activity_statistics_plots.png"
+    with asset_events_page(dagster_dev, tmp_path / "chromium-plots", ["Plots"], plots,
+                           path="user_activity?view=overview") as page:  # fmt: skip
+        page.get_by_text("Plots", exact=True).first.click()
+        page.get_by_text("bytes_written", exact=True).first.wait_for(timeout=60_000)
+        charts = page.locator("canvas").count()
+        text = page.inner_text("body")
+        page.screenshot(path=str(plots), full_page=True)
+    assert all(label in text for label in STATISTICS), f"not all plotted (see {plots})"
+    assert charts > 0, f"no chart drawn (see {plots})"
 
 
 @pytest.fixture(scope="module")

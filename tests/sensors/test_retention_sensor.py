@@ -284,7 +284,7 @@ def test_retained_table_is_narrow_with_the_pointer_last_and_relative(tmp_path):
     (observation,) = result.asset_events
     table = observation.metadata["retained"]
     columns = [c.name for c in table.schema.columns]
-    assert ["id", "kind", "position", "size", "files", "age", "pointer"] == columns
+    assert ["id", "kind", "position", "size", "written", "files", "age", "pointer"] == columns
     shown = [r.data["pointer"] for r in table.records]
     assert ["chk-4", "chk-5"] == shown[:2]
     names = [p.rsplit("/", 1)[-1] for p in (*prepared.hand_made[:1], *prepared.scheduled[0:1])]

@@ -18,6 +18,7 @@ from pipelines.keyed._stage import TIMER, TIMER_TYPE, TIMERS, KeyedResult, Keyed
 
 __all__ = ["due_mask", "fire", "fold", "merge_changes"]
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _ROW = "__row"
 _LEFT = "__left"
 
@@ -38,15 +39,6 @@ def due_mask(stored: pa.Table | pa.RecordBatch, limit: dt.datetime) -> np.ndarra
     return mask
 
 
-def _explode(stage: KeyedStage, rows: pa.Table) -> pa.Table:
-    """The timers of stored ``rows``: key columns and ``timer``, one row per timer."""
-    timers = rows.column(TIMERS).combine_chunks() if rows.num_rows else pa.array(
-        [], pa.list_(TIMER_TYPE))
-    parents = pc.list_parent_indices(timers)
-    keys = rows.select(list(stage.key)).take(parents)
-    return keys.append_column(TIMER, pc.list_flatten(timers).cast(TIMER_TYPE))
-
-
 def _positions(stage: KeyedStage, keys: pa.Table, rows: pa.Table) -> np.ndarray:
     """For each row of ``keys``, the index of its key's row in ``rows`` (-1: none)."""
     key = list(stage.key)
@@ -63,20 +55,35 @@ def _positions(stage: KeyedStage, keys: pa.Table, rows: pa.Table) -> np.ndarray:
     return positions
 
 
-def _with_timers(stage: KeyedStage, rows: pa.Table, timers: pa.Table) -> pa.Table:
-    """``rows`` (stored rows without ``_timers``) with ``_timers`` set from ``timers`` (key
-    columns and ``timer``; each row's timers sorted, once each; null for none)."""
-    if timers.num_rows:
-        timers = timers.group_by([*stage.key, TIMER]).aggregate([])  # each timer once
-        timers = timers.sort_by([(k, "ascending") for k in (*stage.key, TIMER)])
-        lists = timers.group_by(list(stage.key), use_threads=False).aggregate(
-            [(TIMER, "list")])
-        positions = _positions(stage, rows, lists)
-        values = lists.column(f"{TIMER}_list").combine_chunks().cast(pa.list_(TIMER_TYPE))
-        taken = values.take(pa.array(positions, mask=positions < 0))
-    else:
-        taken = pa.nulls(rows.num_rows, pa.list_(TIMER_TYPE))
-    return rows.append_column(TIMERS, taken)
+def _lists(parents: np.ndarray, values: np.ndarray, rows: int) -> pa.Array:
+    """The ``_timers`` column of ``rows`` rows from timers as (row, microseconds) pairs: each
+    row's timers sorted, once each, null for none. numpy sorts, no Arrow group-by."""
+    order = np.lexsort((values, parents))
+    parents, values = parents[order], values[order]
+    keep = np.ones(len(parents), bool)
+    keep[1:] = (parents[1:] != parents[:-1]) | (values[1:] != values[:-1])
+    parents, values = parents[keep], values[keep]
+    counts = np.bincount(parents, minlength=rows)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()),
+                                    pa.array(values, pa.int64()).view(TIMER_TYPE),
+                                    mask=pa.array(counts == 0))
+
+
+def _pairs(lists: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """The timers of a ``_timers`` column as (row, microseconds) pairs."""
+    if isinstance(lists, pa.ChunkedArray):
+        lists = lists.combine_chunks() if lists.num_chunks else pa.array(
+            [], pa.list_(TIMER_TYPE))
+    parents = pc.list_parent_indices(lists).to_numpy(zero_copy_only=False).astype(np.int64)
+    values = pc.list_flatten(lists).cast(TIMER_TYPE).view(pa.int64()).to_numpy(
+        zero_copy_only=False)
+    return parents, values
+
+
+def _micros(column: pa.ChunkedArray) -> np.ndarray:
+    return column.combine_chunks().cast(TIMER_TYPE).view(pa.int64()).to_numpy(
+        zero_copy_only=False) if len(column) else np.zeros(0, np.int64)
 
 
 def fold(stage: KeyedStage, layout: KeyedStateLayout, base: pa.Table, result: KeyedResult,
@@ -86,61 +93,81 @@ def fold(stage: KeyedStage, layout: KeyedStateLayout, base: pa.Table, result: Ke
     at ``now`` under processing-time expiry, a row changed only in its timers keeps its
     stamp) and the keys it deleted. ``base``: the stored rows of the keys ``result`` may
     change, before it (a key absent has no state). A key's timers are its old ones (kept
-    across an upsert), plus ``result.timers``, less ``result.deleted_timers``; a delete drops
+    across an upsert), less ``result.deleted_timers``, plus ``result.timers``; a delete drops
     them. Registering a timer for a key without state after the batch is refused."""
     key = list(stage.key)
     where = f"keyed stage {stage.name}"
     stored = layout.stored_schema
-    upserts = result.upserts
+    upserts = layout.stamp(result.upserts, now) if now else result.upserts
     if not layout.timers:
-        return (layout.stamp(upserts, now) if now else upserts), result.deletes
+        return upserts, result.deletes
     added = result.timers if result.timers is not None else stage.timer_schema.empty_table()
     removed = (result.deleted_timers if result.deleted_timers is not None
                else stage.timer_schema.empty_table())
-    # the rows that change: the upserted ones, and those whose timers change
-    timer_keys = pa.concat_tables([added.select(key), removed.select(key)]).group_by(
-        key).aggregate([])
-    changed = stage.cast_keys(timer_keys)
-    if upserts.num_rows:
-        changed = changed.join(stage.cast_keys(upserts), key, join_type="left anti")
-    if result.deletes.num_rows:
-        changed = changed.join(stage.cast_keys(result.deletes), key, join_type="left anti")
-    at = _positions(stage, changed, base)
-    # deleting a missing timer is a no-op: a key without state is just not rewritten
-    untouched = base.take(pa.array(at[at >= 0])).drop_columns([TIMERS])
-    new = layout.stamp(upserts, now) if now else upserts
+    # the rows that change: the upserted ones, and those whose timers change (their base row)
+    added_at, removed_at = _positions(stage, added, upserts), _positions(stage, removed, upserts)
+    others = pa.concat_tables([stage.cast_keys(added.filter(pa.array(added_at < 0))),
+                               stage.cast_keys(removed.filter(pa.array(removed_at < 0)))])
+    untouched = base.slice(0, 0)
+    if others.num_rows:
+        others = others.group_by(key).aggregate([])
+        if result.deletes.num_rows:
+            others = others.filter(pa.array(_positions(stage, others, result.deletes) < 0))
+        at = _positions(stage, others, base)
+        # deleting a missing timer is a no-op: a key without state is just not rewritten
+        untouched = base.take(pa.array(at[at >= 0]))
+    untouched = untouched.drop_columns([TIMERS])
     new = concat_as(stored.remove(stored.get_field_index(TIMERS)), [
-        new.select([n for n in stored.names if n != TIMERS]), untouched])
+        upserts.select([n for n in stored.names if n != TIMERS]), untouched])
+
+    def rows_in_new(table: pa.Table, in_upserts: np.ndarray) -> np.ndarray:
+        rows = in_upserts.copy()
+        rest = rows < 0
+        if rest.any() and untouched.num_rows:
+            at = _positions(stage, table.filter(pa.array(rest)), untouched)
+            rows[rest] = np.where(at >= 0, at + upserts.num_rows, -1)
+        return rows
+
+    added_rows = rows_in_new(added, added_at)
+    if (added_rows < 0).any():
+        orphans = stage.cast_keys(added.filter(pa.array(added_rows < 0))).group_by(
+            key).aggregate([])
+        raise ValueError(
+            f"{where}: {function} registered timers for {orphans.num_rows} key(s) that "
+            f"have no state after the batch, e.g. {orphans.slice(0, 1).to_pylist()[0]}. "
+            "Timers live with the key's state (a key whose state is deleted loses its "
+            "timers): upsert the key's state (or a marker row) in the same result first")
     # their timers: the old ones less removed, plus added (a timer deleted and registered
     # by one result stays: replacing a key's timer by the same time keeps it)
     at = _positions(stage, new, base)
-    timers = _explode(stage, base.take(pa.array(at[at >= 0])))
-    if removed.num_rows and timers.num_rows:
-        timers = timers.join(stage.cast_keys(removed.select(key)).append_column(
-            TIMER, removed.column(TIMER)), [*key, TIMER], join_type="left anti")
-    timers = concat_as(stage.timer_schema, [timers, added])
-    if added.num_rows:
-        orphans = added.select(key)
-        orphans = stage.cast_keys(orphans).join(stage.cast_keys(new), key,
-                                                join_type="left anti")
-        if orphans.num_rows:
-            raise ValueError(
-                f"{where}: {function} registered timers for {orphans.num_rows} key(s) that "
-                f"have no state after the batch, e.g. {orphans.slice(0, 1).to_pylist()[0]}. "
-                "Timers live with the key's state (a key whose state is deleted loses its "
-                "timers): upsert the key's state (or a marker row) in the same result first")
-    return concat_as(stored, [_with_timers(stage, new, timers)]), result.deletes
+    with_base = np.flatnonzero(at >= 0)
+    parents, values = _pairs(base.column(TIMERS).take(pa.array(at[with_base])))
+    parents = with_base[parents]
+    if removed.num_rows and len(parents):
+        removed_rows = rows_in_new(removed, removed_at)
+        old = pa.table({"r": parents, "v": values, "i": np.arange(len(parents))})
+        gone = old.join(pa.table({"r": removed_rows, "v": _micros(removed.column(TIMER))}),
+                        ["r", "v"], join_type="inner").column("i").to_numpy()
+        kept = np.ones(len(parents), bool)
+        kept[gone] = False
+        parents, values = parents[kept], values[kept]
+    parents = np.concatenate([parents, added_rows])
+    values = np.concatenate([values, _micros(added.column(TIMER))])
+    return (concat_as(stored, [new.append_column(TIMERS, _lists(parents, values,
+                                                                new.num_rows))]),
+            result.deletes)
 
 
 def fire(stage: KeyedStage, rows: pa.Table, limit: dt.datetime) -> tuple[pa.Table, pa.Table]:
     """The timers of stored ``rows`` due at ``limit`` (``timer <= limit``): ``fired`` (key
     columns and ``timer``, one row per timer) and ``rows`` without them (their other timers
     kept)."""
-    timers = _explode(stage, rows)
-    due = pc.less_equal(timers.column(TIMER), pa.scalar(limit, TIMER_TYPE))
-    fired, kept = timers.filter(due), timers.filter(pc.invert(due))
-    return fired, concat_as(rows.schema, [_with_timers(stage, rows.drop_columns([TIMERS]),
-                                                       kept)])
+    parents, values = _pairs(rows.column(TIMERS))
+    due = values <= (limit - _EPOCH) // dt.timedelta(microseconds=1)
+    fired = rows.select(list(stage.key)).take(pa.array(parents[due])).append_column(
+        TIMER, pa.array(values[due], pa.int64()).view(TIMER_TYPE))
+    kept = _lists(parents[~due], values[~due], rows.num_rows)
+    return fired, rows.set_column(rows.schema.get_field_index(TIMERS), TIMERS, kept)
 
 
 def merge_changes(stage: KeyedStage, first: tuple[pa.Table, pa.Table],

@@ -7,6 +7,7 @@ real Spark (local[2]) through ``apply_keyed_batch``.
 """
 
 import datetime as dt
+import json
 import shutil
 import sys
 from collections import Counter
@@ -40,14 +41,16 @@ from pipelines.keyed import (
     TimeMode,
     Watermark,
     compute_key_group_range_for_operator_index,
+    decode_keyed_master_state,
     extend_chains,
     replay_chains,
 )
 from pipelines.keyed._batch import _results, _summary
+from pipelines.keyed._chain import encode_keyed_master_state
 from pipelines.keyed._executor import _decode_output, _run_partition, _snapshot_ranges
 from pipelines.keyed._routing import _ROUTE, OPERATOR_INDEX, _operator_indices, _routes
 from pipelines.keyed._task import _newer
-from tests.pipelines.support import InjectedFault, storage_of
+from tests.pipelines.support import InjectedFault, run_read_cli, storage_of
 
 MAX_PARALLELISM = 8
 ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
@@ -532,11 +535,28 @@ def test_the_runner_fires_timers_once_across_a_failure_restore_and_rescale(spark
             expected += model.run(batch)[0]
     fired = pa.concat_tables([pq.read_table(path) for path in sorted(
         (tmp_path / "fired").rglob("*.parquet"))])
-    state = read_state(runner.store.latest().external_pointer, "timed")
+    pointer = runner.store.latest().external_pointer
+    state = read_state(pointer, "timed")
+    as_json = [json.loads(line) for line in run_read_cli(
+        pointer, "--stage", "timed", "--json").output.splitlines()]
+    as_table = run_read_cli(pointer, "--stage", "timed").output
     timers = {k: sorted(v) for k, v in zip(state.column("k").to_pylist(),
                                            state.column("_timers").to_pylist(), strict=True)
               if v}
     assert (_sorted(expected), {k: sorted(v) for k, v in model.timers.items() if v}) == (
         _sorted(fired.to_pylist()), timers)
+    assert ({k: [x.isoformat() for x in v] for k, v in timers.items()}, True) == (
+        {r["k"]: r["_timers"] for r in as_json if r["_timers"]}, "_timers" in as_table)
     assert any("1 late row(s) dropped" in line for line in progress)
     assert any("timer(s) fired" in line for line in progress)
+
+
+def test_the_stage_description_records_timers_and_reads_back_without_them_as_before():
+    """``keyed-state/<stage>`` records that the rows carry timers (readers and restores know
+    the column); a description written before timers existed reads as a stage without."""
+    with_timers = KeyedStateLayout.of(stage(None), MAX_PARALLELISM)
+    plain = KeyedStateLayout(("k",), STATE, MAX_PARALLELISM)
+    decoded = [decode_keyed_master_state(encode_keyed_master_state(layout, T0), STATE, "here")
+               for layout in (with_timers, plain)]
+    assert ([True, False], [T0, T0], b"timers" in encode_keyed_master_state(plain, T0)) == (
+        [d[0].timers for d in decoded], [d[1] for d in decoded], False)

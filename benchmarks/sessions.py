@@ -7,24 +7,27 @@ local disk, ``local[2]``:
 
 - ``tws-rocksdb``: Structured Streaming, ``transformWithStateInPandas`` (a value state per
   user, an event-time timer at the last view + the gap, re-armed on each view; the expired
-  timer emits the session and clears the state), ``RocksDBStateStoreProvider`` with changelog
-  checkpointing (a snapshot every ``--ss-min-deltas`` versions), watermark delay 0, no-data
-  batches off (so the watermark a batch fires timers at is the newest event time of the
-  batches before it, the same in every run), the closed sessions to a Parquet file sink;
+  timer emits the session and clears the state), ``RocksDBStateStoreProvider`` with
+  changelog checkpointing (a snapshot every ``--ss-min-deltas`` versions), a watermark with
+  a 3-minute delay, no-data batches off (so that the watermark a batch fires timers at is
+  the newest event time of the batches before it minus the delay, the same in every run),
+  the closed sessions to a Parquet file sink;
 - ``ours``: ``StatefulRunner`` with the page views example's keyed ``sessions`` stage (an
-  event-time timer per open session; ``keyed_parallelism`` 2, ``max_parallelism`` 128), the
-  closed sessions to a ``ParquetSink``;
+  event-time timer per open session) with SS's 3 minutes of allowed lateness,
+  ``keyed_parallelism`` 2, ``max_parallelism`` 128, the closed sessions to a
+  ``ParquetSink``;
 - ``before``: the same runner with the example's former DataFrame ``sessions`` stage
   (``dataframe_sessions`` below), which merges and rewrites the whole state every batch: run
   for ``--before-batches`` only.
 
 Workload: batch 0 opens S sessions (one view per user, spread over the gap before the start;
-not timed). Every later batch covers ``STEP`` of event time with about 1% of S views: half of
-them continue open sessions, half start new ones (returning users and new ones), as many as
-the sessions that close in that step, so that about S sessions stay open. Event times are
-multiples of 7 ms: no two views are exactly the gap apart (1,800,000 ms has no factor 7), so
-the systems' boundary rules (``<`` or ``<=``) never differ, and Spark's millisecond watermark
-is exact.
+not timed; ours takes it in slices of the 3 minutes of lateness, since its watermark counts
+a batch's own views: whole, most of it would be late). Every later batch covers ``STEP`` of
+event time with about 1% of S views: half of them continue open sessions, half start new
+ones (returning users and new ones), as many as the sessions that close in that step, so
+that about S sessions stay open. Event times are multiples of 7 ms: no two views are exactly
+the gap apart (1,800,000 ms has no factor 7), so the systems' boundary rules (``<`` or
+``<=``) never differ, and Spark's millisecond watermark is exact.
 
 Per system and S: bytes written per batch (the growth of the checkpoint directory's files,
 listed before and after each batch; SS: and after two maintenance intervals at the end, as in
@@ -53,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +79,8 @@ KEYED_PARALLELISM = 2
 GAP_MS = 30 * 60 * 1000
 STEP_MS = 9_000  # event time per batch: about 0.5% of the sessions close in each
 QUANTUM_MS = 7  # event times are multiples of this; GAP_MS is not
+LATENESS_MS = 3 * 60 * 1000  # both systems' allowed lateness (SS: the watermark's delay)
+WARMUP_SLICES = GAP_MS // LATENESS_MS  # batch 0 in slices none of which is late for ours
 STAGE = "sessions"
 VIEW_SCHEMA = pa.schema(
     [
@@ -131,9 +136,19 @@ def write_batches(directory: Path, sessions: int, batches: int, seed: int = 7) -
     capacity = sessions * 3
     last = np.full(capacity, np.iinfo(np.int64).min // 2, np.int64)  # the generator's view
     fresh = sessions  # the next user id never seen
-    times = _times(rng, START_MS - GAP_MS, START_MS, sessions)
+    times = np.sort(_times(rng, START_MS - GAP_MS, START_MS, sessions))
     last[:sessions] = times
-    pq.write_table(_table(np.arange(sessions), times, rng), directory / "batch-00000.parquet")
+    first = _table(np.arange(sessions), times, rng)
+    pq.write_table(first, directory / "batch-00000.parquet")
+    # The same views in slices of LATENESS_MS, for ours, whose watermark counts a batch's
+    # own views: batch 0 whole would have most of its views late.
+    (directory / "warmup").mkdir(exist_ok=True)
+    bounds = np.searchsorted(times, START_MS - GAP_MS + LATENESS_MS * np.arange(
+        WARMUP_SLICES + 1))
+    bounds[-1] = sessions
+    for i in range(WARMUP_SLICES):
+        pq.write_table(first.slice(bounds[i], bounds[i + 1] - bounds[i]),
+                       directory / "warmup" / f"batch-00000-{i:03d}.parquet")
     for b in range(1, batches + 1):
         lo, hi = START_MS + (b - 1) * STEP_MS, START_MS + b * STEP_MS
         open_users = np.flatnonzero(last + GAP_MS > lo)
@@ -206,15 +221,15 @@ def compare(what: str, actual: pa.Table, expected: pa.Table, names: list[str]) -
 def final_watermark_ms(system: str, data: Path, upto: int) -> int:
     """The watermark each system has fired its timers (or closed sessions) at after batch
     ``upto``: SS's is the newest event time of the batches before the last (no-data batches
-    off, delay 0); ours' the newest of all minus the allowed lateness (one STEP: a batch's
-    own views are never late); before's the newest of all, with a strict rule that never
-    differs here (event times are multiples of 7 ms)."""
+    off) minus the lateness; ours' the newest of all minus the lateness; before's the newest
+    of all (no lateness), with a strict rule that never differs here (event times are
+    multiples of 7 ms)."""
     newest = {b: pc.max(pq.read_table(data / f"batch-{b:05d}.parquet", columns=["viewed_at"])
                         .column("viewed_at")).value // 1000 for b in range(upto + 1)}
     if system == "tws-rocksdb":
-        return max(newest[b] for b in range(upto))
+        return max(newest[b] for b in range(upto)) - LATENESS_MS
     if system == "ours":
-        return max(newest.values()) - STEP_MS
+        return max(newest.values()) - LATENESS_MS
     return max(newest.values()) - 1
 
 
@@ -342,7 +357,7 @@ def _tws_query(spark, feed: Path, checkpoint: Path, sink: Path):
     views = (spark.readStream.schema(from_arrow_schema(VIEW_SCHEMA))
              .option("maxFilesPerTrigger", 1).parquet(str(feed)))  # fmt: skip
     closed = (
-        views.withWatermark("viewed_at", "0 seconds").groupBy("user_id")
+        views.withWatermark("viewed_at", f"{LATENESS_MS // 1000} seconds").groupBy("user_id")
         .transformWithStateInPandas(
             statefulProcessor=_session_processor(),
             outputStructType="user_id string, session_start timestamp, "
@@ -366,15 +381,18 @@ def _tws_state(spark, checkpoint: Path) -> pa.Table:
 # --- workers (one process each) -------------------------------------------------------------
 
 
-def _land(data: Path, work: Path) -> tuple[Path, list[str]]:
-    """One static partition per batch file (hard links)."""
+def _land(data: Path, work: Path, warmup: bool) -> tuple[Path, list[str]]:
+    """One static partition per batch file (hard links); with ``warmup``, batch 0's is its
+    slices (batches of one run)."""
     files = sorted(data.glob("batch-*.parquet"))
     names = [f"b{b:05d}" for b in range(len(files))]
     landing = work / "landing"
     for name, batch in zip(names, files, strict=True):
         (landing / name).mkdir(parents=True, exist_ok=True)
-        if not (landing / name / batch.name).exists():
-            os.link(batch, landing / name / batch.name)
+        parts = sorted((data / "warmup").glob("*.parquet")) if warmup and name == names[0] \
+            else [batch]
+        for part in parts:
+            os.link(part, landing / name / part.name)
     return landing, names
 
 
@@ -384,13 +402,20 @@ def _pipeline(system: str, landing: Path, names: list[str], sink: Path):
     from pipelines import SOURCE, FileSource, ParquetSink, Stage, StatefulPipeline
 
     if system == "ours":
-        from pipelines.examples.page_views import STAGES
+        from pipelines.examples.page_views import SESSIONS_KEYED
+        from pipelines.keyed import Watermark
 
-        stage = next(s for s in STAGES if s.name == STAGE)
+        # SS's lateness (the example allows an hour: an hour's landing is one batch).
+        stage = replace(SESSIONS_KEYED,
+                        watermark=Watermark(dt.timedelta(milliseconds=LATENESS_MS)))
     else:
-        from pipelines.examples.page_views.pipeline import SESSION_STATE_SCHEMA
+        from pyspark.sql import types as T
 
-        stage = Stage(STAGE, SESSION_STATE_SCHEMA, dataframe_sessions, input=SOURCE)
+        state_schema = T.StructType([T.StructField("user_id", T.StringType()),
+                                     T.StructField("session_start", T.TimestampType()),
+                                     T.StructField("last_view", T.TimestampType()),
+                                     T.StructField("views", T.LongType())])  # fmt: skip
+        stage = Stage(STAGE, state_schema, dataframe_sessions, input=SOURCE)
     return StatefulPipeline(
         name=f"sessions_{system}",
         stages=[stage],
@@ -423,7 +448,7 @@ class System:
         from checkpoint_storage import FileSystemCheckpointStorage
         from pipelines import StatefulRunner
 
-        landing, self.names = _land(self.data, self.work)
+        landing, self.names = _land(self.data, self.work, warmup=self.name == "ours")
         self.pipeline = _pipeline(self.name, landing, self.names, self.sink)
         self.storage = FileSystemCheckpointStorage(str(self.checkpoint))
         self.runner = StatefulRunner(self.spark, self.storage, self.pipeline,

@@ -287,8 +287,13 @@ class KeyedStageKind(StageKind):
         state, result = self.driver.apply(state, input, checkpoint_id,
                                           location.location_reference, batch)
         # Read from the batch's persisted pass by each consumer, released by the runner.
+        notes = _rebuild_notes(self.stage.name, result.ranges)
+        if result.late_rows:
+            notes.append(f"{self.stage.name}: {result.late_rows} late row(s) dropped")
+        if result.fired_timers:
+            notes.append(f"{self.stage.name}: {result.fired_timers} timer(s) fired")
         return state, StageBatch(result.output, result.output_rows, result.input_rows,
-                                 _rebuild_notes(self.stage.name, result.ranges), result.release)
+                                 notes, result.release)
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
                  location: CheckpointStorageLocation, *, savepoint: bool) -> StageSnapshot:

@@ -15,7 +15,8 @@ source reads one per task).
 
 Keyed stages (``CHAIN_FORMAT``, ``keyed-v1``) have one part per key group range: the range's
 chain (its full snapshot, then its change files) replayed, every file verified as a
-DataFrame stage's are. They return the state schema's columns only, and under a TTL never
+DataFrame stage's are. They return the state schema's columns only (and a stage with timers'
+``_timers``: each key's registered timers, a list of UTC timestamps), and under a TTL never
 the rows that had expired when the snapshot was taken (event time: against the stage's clock
 recorded in the snapshot; processing time: against the snapshot's timestamp).
 
@@ -48,6 +49,7 @@ from pipelines._parquet_state import read_parquet
 from pipelines.keyed import (
     CHAIN_FORMAT,
     KEYED_STATE_PREFIX,
+    TIMERS,
     KeyedStateChain,
     KeyedStateFormatError,
     KeyedStateLayout,
@@ -171,8 +173,11 @@ def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa
     for ref in part.handles:
         with _named_state_errors(part.stage, ref.describe()):
             handles.append(ref.handle(options))
+    state_schema = schema  # without the timers the reader shows (the layout adds them)
+    if TIMERS in schema.names:
+        state_schema = schema.remove(schema.get_field_index(TIMERS))
     try:
-        layout, clock = decode_keyed_master_state(described, schema, where)
+        layout, clock = decode_keyed_master_state(described, state_schema, where)
         chain = KeyedStateChain.from_subtask_state(OperatorSubtaskState(handles, properties),
                                                    where)
         stored = replay_chains(
@@ -353,11 +358,12 @@ class PipelineSnapshot:
             )
         if stored is not None:
             try:
-                return pa.ipc.read_schema(pa.py_buffer(stored))
+                schema = pa.ipc.read_schema(pa.py_buffer(stored))
             except (pa.ArrowInvalid, OSError) as exc:
                 raise InvalidCheckpointError(
                     f"{self.pointer}: the recorded schema of stage {stage!r} is corrupt ({exc})"
                 ) from exc
+            return self._with_timers(stage, schema)
         for part in self.parts(stage):
             for ref in part.handles:
                 data = _read_bytes(stage, ref, self.storage_options)
@@ -366,6 +372,20 @@ class PipelineSnapshot:
             f"{self.pointer}: stage {stage!r} records neither a schema nor state "
             f"(parallelism {operator.parallelism}, no handles)"
         )
+
+    def _with_timers(self, stage: str, schema: pa.Schema) -> pa.Schema:
+        """A keyed stage with timers: ``schema`` and its stored ``_timers`` column (readers show
+        the timers with the key's row)."""
+        described = self.metadata.master_states.get(KEYED_STATE_PREFIX + stage)
+        if self.state_format(stage) != CHAIN_FORMAT or described is None:
+            return schema
+        try:
+            layout, _ = decode_keyed_master_state(described, schema, f"stage {stage!r}")
+        except KeyedStateFormatError as exc:
+            raise InvalidCheckpointError(f"{self.pointer}: {exc}") from exc
+        if not layout.timers:
+            return schema
+        return schema.append(layout.stored_schema.field(TIMERS))
 
     def parts(self, stage: str) -> list[StatePart]:
         """The stage's state as independently readable parts (``read_state_part``)."""

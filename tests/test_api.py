@@ -60,6 +60,8 @@ PUBLIC = {
     "pipelines.keyed": {
         # declarative aggregates
         "Aggregate", "Aggregates", "agg",
+        # timers and watermarks of a KeyedStage
+        "TimeMode", "Watermark",
         # key groups
         "DEFAULT_MAX_PARALLELISM", "KEY_GROUP", "UPPER_BOUND_MAX_PARALLELISM", "KeyGroupRange",
         "assign_key_groups", "compute_key_group_range_for_operator_index",

@@ -38,6 +38,7 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._local_stores import local_store_directory, sweep_idle_stores
+from pipelines.keyed._stage import TimeMode, Watermark
 from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
 
 __all__ = [
@@ -45,6 +46,9 @@ __all__ = [
     "Aggregate",
     "Aggregates",
     "agg",
+    # timers and watermarks of a KeyedStage
+    "TimeMode",
+    "Watermark",
     # key groups
     "DEFAULT_MAX_PARALLELISM",
     "KEY_GROUP",
@@ -99,6 +103,8 @@ _ELSEWHERE = {
     "read_keyed_state": "pipelines.keyed._batch",
     "snapshot_from_local_stores": "pipelines.keyed._batch",
     "KeyedResult": "pipelines.keyed._stage",
+    "TIMER": "pipelines.keyed._stage",
+    "TIMERS": "pipelines.keyed._stage",
     "KeyedStage": "pipelines.keyed._stage",
     "StateTtl": "pipelines.keyed._stage",
     "TtlTimeCharacteristic": "pipelines.keyed._stage",

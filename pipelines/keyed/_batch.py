@@ -69,6 +69,12 @@ class KeyedBatch:
     cached: DataFrame = field(repr=False)
     input_rows: int = 0
     newest: dt.datetime | None = None
+    late_rows: int = 0
+    """Input rows dropped as late (behind the watermark, or the clock minus the ttl)."""
+
+    @property
+    def fired_timers(self) -> int:
+        return sum(r.fired_timers for r in self.ranges)
 
     @property
     def output_rows(self) -> int:
@@ -78,9 +84,10 @@ class KeyedBatch:
         self.cached.unpersist()
 
 
-def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None]:
+def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None, int]:
     """The batch's input rows and newest event time from the ranges' summary rows, which
-    must agree: each range's task received every routing task's summary."""
+    must agree: each range's task received every routing task's summary; and the late rows
+    the ranges dropped (each its own)."""
     seen = {(row["input_rows"], row["newest"]) for row in rows if row["row_kind"] == _SUMMARY}
     if len(seen) > 1:
         raise RuntimeError(f"keyed stage {task.stage.name}: the ranges saw different input "
@@ -88,7 +95,8 @@ def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None]:
                            "changed between task attempts; the source must be replayable "
                            "(read the same rows again when a task is retried)")
     count, newest = seen.pop() if seen else (0, None)
-    return count, None if newest is None else _EPOCH + dt.timedelta(microseconds=newest)
+    late = sum(row["late_rows"] or 0 for row in rows if row["row_kind"] == _SUMMARY)
+    return count, None if newest is None else _EPOCH + dt.timedelta(microseconds=newest), late
 
 
 def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
@@ -106,7 +114,8 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
             row["row_kind"], row["attempt"], row["rows"], row["input_rows"] or 0,
             bool(row["rebuilt"]), row["rebuild_rows"] or 0, row["rebuild_seconds"] or 0.0,
             row["state_rows"] or 0, row["output_rows"] or 0, row["expired_rows"] or 0,
-            row["damage"], bool(row["private"]), row["lock_wait_seconds"] or 0.0)
+            row["damage"], bool(row["private"]), row["lock_wait_seconds"] or 0.0,
+            row["fired_timers"] or 0)
     return [results[i] for i in sorted(results)]
 
 

@@ -230,6 +230,8 @@ def encode_keyed_master_state(layout: KeyedStateLayout, clock: dt.datetime | Non
         "format": CHAIN_FORMAT, "key": list(layout.key), "key_hash": layout.key_hash,
         "max_parallelism": layout.max_parallelism, "ttl": ttl,
         "clock": None if clock is None else clock.astimezone(dt.UTC).isoformat(),
+        # written only with timers: the description of a stage without stays as it was
+        **({"timers": True} if layout.timers else {}),
     }, sort_keys=True).encode()
 
 
@@ -247,7 +249,7 @@ def decode_keyed_master_state(data: bytes, state_schema: pa.Schema, where: str
             TtlTimeCharacteristic(raw["ttl"]["time_characteristic"]),
             raw["ttl"]["timestamp_column"])
         layout = KeyedStateLayout(tuple(raw["key"]), state_schema, int(raw["max_parallelism"]),
-                                  ttl)
+                                  ttl, bool(raw.get("timers", False)))
         clock = None if raw["clock"] is None else dt.datetime.fromisoformat(raw["clock"])
     except KeyedStateFormatError:
         raise
@@ -473,7 +475,11 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
         if latest is None:
             parts.append(base)
             continue
-        kept = base.join(latest.select(key), key, join_type="left anti")
+        # by row index: Arrow's joins carry no list columns (e.g. a stage's timers)
+        rows = base.select(key).append_column("__row", pa.array(
+            np.arange(base.num_rows, dtype=np.int64)))
+        kept = base.take(rows.join(latest.select(key), key, join_type="left anti").column(
+            "__row").combine_chunks().sort())
         upserts = latest.filter(pc.invert(latest.column(DELETED)))
         parts.append(concat_as(layout.stored_schema, [kept, upserts]))
     if not parts:

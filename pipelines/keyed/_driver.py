@@ -46,7 +46,7 @@ from pipelines.keyed._chain import (
 from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._local_stores import DEFAULT_LOCAL_STORE_MAX_AGE
-from pipelines.keyed._stage import KeyedStage, TtlTimeCharacteristic
+from pipelines.keyed._stage import KeyedStage, TimeMode, TtlTimeCharacteristic
 from pipelines.keyed._task import _EPOCH, KeyedRangeResult, KeyedStageTask, _newer
 
 __all__ = ["KeyedStageDriver", "KeyedStageState"]
@@ -182,6 +182,13 @@ class KeyedStageDriver:
             raise InvalidCheckpointError(
                 f"{where}: the state is keyed by {list(layout.key)}, the stage by "
                 f"{list(stage.key)}")
+        if layout.timers != stage.has_timers:
+            raise InvalidCheckpointError(
+                f"{where}: the state was written by a stage "
+                f"{'with' if layout.timers else 'without'} timers, the stage now has "
+                f"{'a time_mode' if stage.has_timers else 'none'}: its rows "
+                f"{'carry' if layout.timers else 'lack'} the _timers column. Run the stage "
+                "with the time_mode it had, or start it from empty state")
         stored = pa.ipc.read_schema(pa.py_buffer(
             metadata.master_states.get(STATE_SCHEMA_PREFIX + stage.name, b"")))
         if stored.names != stage.state_schema.names:
@@ -200,7 +207,9 @@ class KeyedStageDriver:
             state.stage.output_schema, self.max_parallelism,
             parallelism or state.parallelism, state.chains, batch, now, state.clock,
             self.local_dir, self.local_max_age, self.after_write,
-            local_lock_timeout=self.local_lock_timeout)
+            local_lock_timeout=self.local_lock_timeout,
+            processing_time=dt.datetime.now(dt.UTC)
+            if state.stage.time_mode is TimeMode.PROCESSING_TIME else None)
 
     def _now(self, state: KeyedStageState) -> dt.datetime | None:
         """The expiry clock: the newest event time seen, or the wall clock."""

@@ -25,7 +25,7 @@ from pipelines.keyed._key_groups import (
     KeyGroupRange,
     hash_keys,
 )
-from pipelines.keyed._layout import KeyedStateLayout
+from pipelines.keyed._layout import KeyedStateLayout, concat_as
 from pipelines.keyed._local_stores import (
     _local_root,
     _locked_store,
@@ -39,8 +39,9 @@ from pipelines.keyed._routing import (
     _ROWS,
     _SUMMARY_INDEX,
     OPERATOR_INDEX,
+    _routes,
 )
-from pipelines.keyed._stage import TtlTimeCharacteristic
+from pipelines.keyed._stage import TIMERS, WRITTEN_AT, TtlTimeCharacteristic
 from pipelines.keyed._task import (
     _CHANGE,
     _EPOCH,
@@ -57,6 +58,7 @@ from pipelines.keyed._task import (
     _newer,
     chain_version,
 )
+from pipelines.keyed._timers import due_mask, fire, fold, merge_changes
 
 
 def _change_file_storage(storage: CheckpointStorage,
@@ -82,9 +84,10 @@ def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
 def _run_partition(task: KeyedStageTask,
                    batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body after routing: the routing tasks' summaries and the rows of one
-    range (or none). Advances the clock by the batch's newest event time, drops rows behind
-    it minus the ``ttl``, runs the range if rows are left, and reports the batch as this
-    task saw it (a summary row): every range's task sees the same summaries."""
+    range (or none). Advances the clock by the batch's newest event time, drops (and
+    counts) the late rows: behind the watermark, or without one the clock minus the
+    ``ttl``; runs the range if rows are left or the stage has timers, and reports the batch
+    as this task saw it (a summary row): every range's task sees the same summaries."""
     batches = [b for b in batches if b.num_rows]
     if not batches:
         return  # no routing task ran: the input had no partitions
@@ -93,36 +96,50 @@ def _run_partition(task: KeyedStageTask,
     summaries, table = table.filter(summary), table.filter(pc.invert(summary))
     newest = pc.max(summaries.column(_NEWEST)).as_py()
     partition, attempt = _context()
-    yield pa.RecordBatch.from_pylist([{
-        "row_kind": _SUMMARY, "operator_index": partition, "attempt": attempt,
-        "input_rows": pc.sum(summaries.column(_ROWS)).as_py(), "newest": newest}],
-        schema=_RESULT_SCHEMA)
     stage = task.stage
+    late_rows = 0
     if stage.event_time is not None:
         clock = task.clock if newest is None else _newer(
             task.clock, _EPOCH + dt.timedelta(microseconds=newest))
-        if stage.ttl is not None and clock is not None:
-            late = (stage.ttl.cutoff(clock) - _EPOCH) // dt.timedelta(microseconds=1)
-            table = table.filter(pc.greater_equal(_micros(table.column(stage.event_time)),
-                                                  late))
-            if stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME:
-                task = replace(task, now=clock)
-    if not table.num_rows:
+        task = replace(task, clock=clock)
+        late = stage.late_cutoff(clock)
+        if late is not None:
+            on_time = pc.greater_equal(_micros(table.column(stage.event_time)),
+                                       (late - _EPOCH) // dt.timedelta(microseconds=1))
+            # a row without an event time is dropped too, as before watermarks
+            late_rows = table.num_rows - (pc.sum(on_time).as_py() or 0)
+            table = table.filter(on_time)
+        if (stage.ttl is not None
+                and stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
+                and clock is not None):
+            task = replace(task, now=clock)
+    yield pa.RecordBatch.from_pylist([{
+        "row_kind": _SUMMARY, "operator_index": partition, "attempt": attempt,
+        "input_rows": pc.sum(summaries.column(_ROWS)).as_py(), "newest": newest,
+        "late_rows": late_rows}], schema=_RESULT_SCHEMA)
+    if not table.num_rows and not stage.has_timers:
         return
     if any(table.column(name).null_count for name in stage.key):
         hash_keys(table.select(list(stage.key)), stage.key)  # says: keys must not be null
     indices = pc.unique(table.column(OPERATOR_INDEX))
+    if not table.num_rows:
+        # no rows, but due timers may fire: the routing summaries name this range's route
+        indices = pc.unique(summaries.column(_ROUTE))
+        routes = _routes(task.parallelism)
+        indices = pa.array([routes.index(r) for r in indices.to_pylist()], pa.int32())
     if len(indices) != 1:
         raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
                            f"{indices.to_pylist()} reached one task; routing is broken")
-    yield from _run_range(task, (indices[0],),
-                          table.drop_columns([_ROUTE, _ROWS, _NEWEST])).to_batches()
+    result = _run_range(task, (indices[0],), table.drop_columns([_ROUTE, _ROWS, _NEWEST]))
+    if result is not None:
+        yield from result.to_batches()
 
 
-def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table:
+def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Table | None:
     """The work of one range and batch: bring the local store to the shipped
-    chain, run the stage, write the change file, apply the changes to the store; return the
-    output rows (IPC payloads) and one handle row."""
+    chain, run the stage, fire the due timers, write the change file, apply the changes to
+    the store; return the output rows (IPC payloads) and one handle row (None: nothing to
+    do, a range without rows nor due timers)."""
     operator_index = group_key[0].as_py()
     key_groups = task.key_groups(operator_index)
     layout, stage = task.layout, task.stage
@@ -135,12 +152,32 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
     sweep_other_ranges(task)
     if task.local_max_age is not None:
         sweep_idle_stores(_local_root(task), task.local_max_age, keep=directory)
+    hidden = [c for c in (WRITTEN_AT, TIMERS) if c in layout.stored_schema.names]
     with _locked_store(task, key_groups, directory, stats) as store:
-        state = store.get(table.select(list(stage.key)), cutoff=cutoff)
-        if layout.processing_time_ttl:
-            state = state.drop_columns(["_written_at"])
-        result = stage.run(table, state)
-        upserts = layout.stamp(result.upserts, task.now) if task.now else result.upserts
+        outputs = []
+        if table.num_rows:
+            stored = store.get(table.select(list(stage.key)), cutoff=cutoff)
+            result = stage.run(table, stored.drop_columns(hidden))
+            outputs.append(result.output)
+            changes = fold(stage, layout, stored, result, task.now)
+        else:
+            changes = (layout.stored_schema.empty_table(), layout.key_schema.empty_table())
+        fired_timers = 0
+        limit = stage.timer_limit(task.clock, task.processing_time)
+        if limit is not None:
+            due = _due_rows(store, stage, changes, cutoff, limit)
+            if due.num_rows:
+                fired, rest = fire(stage, due, limit)
+                fired_timers = fired.num_rows
+                result = stage.run_on_timer(fired, rest.drop_columns(hidden))
+                outputs.append(result.output)
+                by_timer = fold(stage, layout, rest, result, task.now, "on_timer")
+                # the fired timers go in this change file: rows on_timer left keep the rest
+                changes = merge_changes(stage, changes,
+                                        merge_changes(stage, (rest, by_timer[1][:0]), by_timer))
+        upserts, deletes = changes
+        if not table.num_rows and not upserts.num_rows and not deletes.num_rows:
+            return None  # nothing fired: the range's chain stays as it is
         (chain,) = task.sources(key_groups)
         access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
             task.job_id)
@@ -154,19 +191,21 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
             previous)
         factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                              task.reference)
-        change = write_change_file(factory, layout, key_groups, upserts, result.deletes,
+        change = write_change_file(factory, layout, key_groups, upserts, deletes,
                                    _file_prefix(task, key_groups, "b", attempt))
-        store.apply(upserts, result.deletes,
+        store.apply(upserts, deletes,
                     version=chain_version(key_groups, [chain.appended(change)]))
         stats["state_rows"] = store.num_rows
         # at this batch's cutoff, while the store is open: one vectorised comparison
         stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
     if task.after_write is not None:
         task.after_write(operator_index, attempt)
-    output = _conform_output(result.output, task)
+    output = pa.concat_tables([_conform_output(o, task) for o in outputs]) if outputs else \
+        _spark_arrow_schema(task.output_schema).empty_table()
     stats["output_rows"] = output.num_rows
+    stats["fired_timers"] = fired_timers
     rows = [_handle_row(_CHANGE, operator_index, attempt, change,
-                        upserts.num_rows + result.deletes.num_rows, stats)]
+                        upserts.num_rows + deletes.num_rows, stats)]
     for batch in output.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
         sink = pa.BufferOutputStream()
         with ipc.new_stream(sink, output.schema) as writer:
@@ -174,6 +213,26 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
         rows.append({"row_kind": _OUTPUT, "operator_index": operator_index,
                      "attempt": attempt, "payload": sink.getvalue().to_pybytes()})
     return pa.Table.from_pylist(rows, schema=_RESULT_SCHEMA)
+
+
+def _due_rows(store, stage, changes: tuple[pa.Table, pa.Table], cutoff: dt.datetime | None,
+              limit: dt.datetime) -> pa.Table:
+    """The stored rows, as they are after this batch's ``changes``, of the keys with a timer
+    due at ``limit``: from the store (a vectorised scan of its timers), but for the keys the
+    batch changed, which come from ``changes``. Expired keys' timers do not fire: a key whose
+    state expired has lost its timers with it."""
+    upserts, deletes = changes
+    keys = store.keys_where(lambda rows: due_mask(rows, limit))
+    changed = pa.concat_tables([stage.cast_keys(upserts), stage.cast_keys(deletes)])
+    if keys.num_rows and changed.num_rows:
+        keys = stage.cast_keys(keys).join(changed, list(stage.key), join_type="left anti")
+    from_store = store.get(keys, cutoff=cutoff) if keys.num_rows else upserts.slice(0, 0)
+    if upserts.num_rows:
+        upserts = upserts.filter(pa.array(due_mask(upserts, limit)))
+    rows = concat_as(upserts.schema, [from_store, upserts])
+    if cutoff is not None and stage.ttl is not None:
+        rows = stage.ttl.live(rows, cutoff)
+    return rows
 
 
 def _spark_arrow_schema(schema: pa.Schema) -> pa.Schema:

@@ -12,7 +12,14 @@ from pipelines.keyed._key_groups import (
     check_parallelism,
     hash_keys,
 )
-from pipelines.keyed._stage import WRITTEN_AT, KeyedStage, StateTtl, TtlTimeCharacteristic
+from pipelines.keyed._stage import (
+    TIMER_TYPE,
+    TIMERS,
+    WRITTEN_AT,
+    KeyedStage,
+    StateTtl,
+    TtlTimeCharacteristic,
+)
 
 __all__ = ["KEY_GROUP", "KeyedStateLayout", "concat_as"]
 
@@ -28,12 +35,15 @@ class KeyedStateLayout:
 
     ``stored_schema`` is the state schema, plus ``_written_at`` (timestamp, UTC) under
     processing-time expiry: the write time is state too, so that a restore expires exactly
-    what the store would have."""
+    what the store would have; and ``_timers`` (list of timestamps, UTC) with ``timers`` (a
+    stage with a ``time_mode``): timers are checkpointed, rescaled and restored with their
+    key's row."""
 
     key: tuple[str, ...]
     state_schema: pa.Schema
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     ttl: StateTtl | None = None
+    timers: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", tuple(self.key))
@@ -45,7 +55,7 @@ class KeyedStateLayout:
 
     @classmethod
     def of(cls, stage: KeyedStage, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
-        return cls(stage.key, stage.state_schema, max_parallelism, stage.ttl)
+        return cls(stage.key, stage.state_schema, max_parallelism, stage.ttl, stage.has_timers)
 
     @property
     def key_hash(self) -> str:
@@ -58,9 +68,12 @@ class KeyedStateLayout:
 
     @property
     def stored_schema(self) -> pa.Schema:
+        schema = self.state_schema
         if self.processing_time_ttl:
-            return self.state_schema.append(pa.field(WRITTEN_AT, pa.timestamp("us", "UTC")))
-        return self.state_schema
+            schema = schema.append(pa.field(WRITTEN_AT, pa.timestamp("us", "UTC")))
+        if self.timers:
+            schema = schema.append(pa.field(TIMERS, pa.list_(TIMER_TYPE)))
+        return schema
 
     @property
     def key_schema(self) -> pa.Schema:

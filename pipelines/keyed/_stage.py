@@ -15,7 +15,9 @@ __all__ = [
     "KeyedResult",
     "KeyedStage",
     "StateTtl",
+    "TimeMode",
     "TtlTimeCharacteristic",
+    "Watermark",
     "key_type_fits",
 ]
 
@@ -33,9 +35,59 @@ def check_stage_name(name: object) -> None:
 
 RESERVED_PREFIX = "_"
 """State and key columns must not start with this: the formats add ``_key_group``,
-``_deleted`` and ``_written_at``."""
+``_deleted``, ``_written_at`` and ``_timers``."""
 WRITTEN_AT = "_written_at"
 """The column a store adds for processing-time expiry: when each row was last written."""
+TIMERS = "_timers"
+"""The column a store adds for a stage with a ``time_mode``: the key's registered timers (a
+list of timestamps, UTC), so that timers are checkpointed, rescaled and restored with the
+key's state row."""
+TIMER = "timer"
+"""The column of a timer's time in ``KeyedResult.timers``, ``deleted_timers`` and the
+``fired`` table ``on_timer`` gets."""
+TIMER_TYPE = pa.timestamp("us", "UTC")
+
+
+class TimeMode(enum.Enum):
+    """Which clock a stage's timers follow (Spark's ``transformWithState`` ``timeMode``): one
+    domain per stage."""
+
+    EVENT_TIME = "event_time"
+    """A timer fires once the stage's watermark (without a ``Watermark``: its event-time
+    clock, the newest event time seen) reaches it: ``timer <= watermark``."""
+    PROCESSING_TIME = "processing_time"
+    """A timer fires in the first batch whose wall-clock time (taken once per batch on the
+    driver) reaches it: ``timer <= now``."""
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """A keyed stage's event-time watermark: the newest event time seen (the batch's rows
+    included) minus ``allowed_lateness``. A row with ``event_time < watermark`` is late:
+    dropped before ``apply`` and counted (the batch's ``late_rows``); a row exactly at the
+    watermark is on time. Event-time timers fire when ``timer <= watermark``.
+
+    ``late_rows``: reserved for a late-rows output; only None (drop and count) is supported.
+    """
+
+    allowed_lateness: dt.timedelta = dt.timedelta(0)
+    late_rows: str | None = None
+
+    def __post_init__(self) -> None:
+        if (not isinstance(self.allowed_lateness, dt.timedelta)
+                or self.allowed_lateness < dt.timedelta(0)):
+            raise ValueError("Watermark: allowed_lateness must be a datetime.timedelta >= 0, "
+                             f"got {self.allowed_lateness!r}")
+        if self.late_rows is not None:
+            # TODO(issue 27): a late-rows output a sink can consume; the pipeline spec has one
+            # output per stage today.
+            raise ValueError("Watermark: late_rows outputs are not supported yet; leave it "
+                             "None (late rows are dropped and counted in the batch's "
+                             "late_rows)")
+
+    def of(self, clock: dt.datetime) -> dt.datetime:
+        """The watermark when the newest event time seen is ``clock``."""
+        return clock - self.allowed_lateness
 
 
 class TtlTimeCharacteristic(enum.Enum):
@@ -102,22 +154,35 @@ class StateTtl:
 
 @dataclass(frozen=True)
 class KeyedResult:
-    """What a keyed stage's ``apply`` returns for one batch: ``upserts`` (full state rows, at
-    most one per key), ``deletes`` (the key columns of keys whose state goes) and ``output``
-    (rows for the stage's consumers). A key is either upserted or deleted, not both."""
+    """What a keyed stage's ``apply`` (or ``on_timer``) returns for one batch: ``upserts``
+    (full state rows, at most one per key), ``deletes`` (the key columns of keys whose state
+    goes) and ``output`` (rows for the stage's consumers). A key is either upserted or
+    deleted, not both.
+
+    A stage with a ``time_mode`` may also return ``timers`` (key columns and a ``timer``
+    timestamp column: timers to register; registering a timer twice is a no-op) and
+    ``deleted_timers`` (the same columns: timers to delete; deleting a missing one is a
+    no-op). Timers live with the key's state: the key must have state after the batch."""
 
     upserts: pa.Table
     deletes: pa.Table
     output: pa.Table
+    timers: pa.Table | None = None
+    deleted_timers: pa.Table | None = None
 
     def __post_init__(self) -> None:
         for name in ("upserts", "deletes", "output"):
             if not isinstance(getattr(self, name), pa.Table):
                 raise TypeError(f"KeyedResult.{name} must be a pyarrow Table, got "
                                 f"{type(getattr(self, name)).__name__}")
+        for name in ("timers", "deleted_timers"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), pa.Table):
+                raise TypeError(f"KeyedResult.{name} must be a pyarrow Table or None, got "
+                                f"{type(getattr(self, name)).__name__}")
 
 
 Apply = Callable[[pa.Table, pa.Table], KeyedResult]
+OnTimer = Callable[[pa.Table, pa.Table], KeyedResult]
 
 
 @dataclass(frozen=True)
@@ -138,6 +203,14 @@ class KeyedStage:
     that clock minus the ``ttl`` are dropped before ``apply`` as too late (their keys' state
     may already have expired, as Spark drops rows behind a watermark). Event-time expiry
     needs it.
+
+    ``watermark``: a ``Watermark`` decides lateness instead of the ttl (rows with
+    ``event_time < newest event time - allowed_lateness`` are late, dropped and counted).
+    ``time_mode`` (a ``TimeMode``) and ``on_timer``: timers. ``apply`` and ``on_timer``
+    register and delete timers in their ``KeyedResult``; each batch, after ``apply``, the
+    due timers fire: ``on_timer(fired, state)`` gets them (key columns and ``timer``, one
+    row per timer) and the state rows of their keys, and returns a ``KeyedResult`` for
+    those keys. A fired timer is removed in the same change file as ``on_timer``'s changes.
     """
 
     name: str
@@ -148,6 +221,9 @@ class KeyedStage:
     input: str | None = None
     output_schema: pa.Schema | None = None
     event_time: str | None = None
+    time_mode: TimeMode | None = None
+    on_timer: OnTimer | None = None
+    watermark: Watermark | None = None
 
     def __post_init__(self) -> None:
         check_stage_name(self.name)
@@ -212,6 +288,57 @@ class KeyedStage:
                 and self.event_time is None):
             raise ValueError(f"{where}: event-time expiry needs event_time, the input column "
                              "whose newest value is the stage's clock")
+        self._check_timers_and_watermark(where)
+
+    def _check_timers_and_watermark(self, where: str) -> None:
+        if self.time_mode is not None and not isinstance(self.time_mode, TimeMode):
+            raise TypeError(f"{where}: time_mode must be a TimeMode (EVENT_TIME or "
+                            f"PROCESSING_TIME) or None, got {self.time_mode!r}")
+        if self.on_timer is not None and not callable(self.on_timer):
+            raise TypeError(f"{where}: on_timer must be callable (fired, state) -> KeyedResult")
+        if (self.on_timer is None) != (self.time_mode is None):
+            raise ValueError(f"{where}: on_timer and time_mode go together: a stage with "
+                             "timers needs both (time_mode says which clock fires them, "
+                             "on_timer handles them); set both or neither")
+        if self.time_mode is not None and TIMER in self.key:
+            raise ValueError(f"{where}: a stage with timers cannot have a key column named "
+                             f"{TIMER!r} (the timers' time column); rename it")
+        if self.time_mode is TimeMode.EVENT_TIME and self.event_time is None:
+            raise ValueError(f"{where}: event-time timers need event_time, the input column "
+                             "whose newest value drives the watermark")
+        if self.watermark is not None:
+            if not isinstance(self.watermark, Watermark):
+                raise TypeError(f"{where}: watermark must be a Watermark, got "
+                                f"{self.watermark!r}")
+            if self.event_time is None:
+                raise ValueError(f"{where}: a watermark needs event_time, the input column "
+                                 "whose newest value it follows")
+
+    @property
+    def has_timers(self) -> bool:
+        """Whether the stage's state rows carry timers (``TIMERS``)."""
+        return self.time_mode is not None
+
+    def late_cutoff(self, clock: dt.datetime | None) -> dt.datetime | None:
+        """Input rows with ``event_time`` older than this are late (None: none are): with a
+        ``watermark``, the watermark; else, as before watermarks, the clock minus the ttl."""
+        if clock is None:
+            return None
+        if self.watermark is not None:
+            return self.watermark.of(clock)
+        if self.ttl is not None:
+            return self.ttl.cutoff(clock)
+        return None
+
+    def timer_limit(self, clock: dt.datetime | None,
+                    processing_time: dt.datetime | None) -> dt.datetime | None:
+        """Timers at or before this fire (None: none fire): event time, the watermark (or the
+        clock without one); processing time, the batch's wall-clock time."""
+        if self.time_mode is TimeMode.PROCESSING_TIME:
+            return processing_time
+        if self.time_mode is TimeMode.EVENT_TIME and clock is not None:
+            return self.watermark.of(clock) if self.watermark is not None else clock
+        return None
 
     def empty_state(self) -> pa.Table:
         """A state table with no rows."""
@@ -256,12 +383,24 @@ class KeyedStage:
         and only keys of ``input`` are upserted or deleted: the stage was given the state of
         those keys only, and a key of another key group belongs to another range's task.
         ``extra_keys``: key columns of further keys the stage may change in this batch (e.g.
-        keys a timer fired for; None: none). Errors name the stage and what to fix."""
-        where = f"keyed stage {self.name}"
+        keys a timer fired for; None: none). Timers it returns are checked likewise (a stage
+        without ``time_mode`` may not return any). Errors name the stage and what to fix."""
         self.check_key_types(input.schema, "the input's")
-        result = self.apply(input, state)
+        return self._checked("apply", self.apply(input, state), input, extra_keys)
+
+    def run_on_timer(self, fired: pa.Table, state: pa.Table) -> KeyedResult:
+        """Call ``on_timer(fired, state)`` and check what it returned as ``run`` does: it may
+        change the keys of ``fired`` only."""
+        if self.on_timer is None:
+            raise ValueError(f"keyed stage {self.name}: timers fired but the stage has no "
+                             "on_timer")
+        return self._checked("on_timer", self.on_timer(fired, state), fired, None)
+
+    def _checked(self, function: str, result: object, input: pa.Table,
+                 extra_keys: pa.Table | None) -> KeyedResult:
+        where = f"keyed stage {self.name}"
         if not isinstance(result, KeyedResult):
-            raise TypeError(f"{where}: apply returned {type(result).__name__}, expected a "
+            raise TypeError(f"{where}: {function} returned {type(result).__name__}, expected a "
                             "KeyedResult(upserts, deletes, output)")
         self.check_key_types(result.upserts.schema, "the upserts'")
         self.check_key_types(result.deletes.schema, "the deletes'")
@@ -282,7 +421,44 @@ class KeyedStage:
             allowed.append(self.cast_keys(extra_keys))
         self._check_keys_allowed(upserts, "upserts", allowed)
         self._check_keys_allowed(deletes, "deletes", allowed)
-        return KeyedResult(upserts, deletes, result.output)
+        timers = self._conform_timers(result.timers, "timers", function)
+        deleted_timers = self._conform_timers(result.deleted_timers, "deleted_timers", function)
+        for name, table in (("timers", timers), ("deleted_timers", deleted_timers)):
+            if table is not None:
+                self._check_keys_allowed(table, name, allowed)
+        return KeyedResult(upserts, deletes, result.output, timers, deleted_timers)
+
+    @property
+    def timer_schema(self) -> pa.Schema:
+        """The columns of timers: the key columns and ``timer`` (timestamp, UTC)."""
+        return self.key_schema.append(pa.field(TIMER, TIMER_TYPE, nullable=False))
+
+    def _conform_timers(self, table: pa.Table | None, name: str,
+                        function: str) -> pa.Table | None:
+        """``table`` as ``timer_schema`` (None or no rows: None); a stage without
+        ``time_mode`` returning timers is refused."""
+        if table is None or not table.num_rows:
+            return None
+        where = f"keyed stage {self.name}"
+        if self.time_mode is None:
+            raise ValueError(f"{where}: {function} returned {name} but the stage has no "
+                             "time_mode; set time_mode=TimeMode.EVENT_TIME or PROCESSING_TIME "
+                             "(and on_timer) to use timers")
+        self.check_key_types(table.schema, f"the {name}'")
+        if TIMER in table.column_names and not pa.types.is_timestamp(
+                table.schema.field(TIMER).type):
+            raise ValueError(f"{where}: {name} column {TIMER!r} must be a timestamp, got "
+                             f"{table.schema.field(TIMER).type}")
+        if TIMER in table.column_names and table.schema.field(TIMER).type.tz is None:
+            raise ValueError(f"{where}: {name} column {TIMER!r} must be a timezone-aware "
+                             "timestamp (e.g. pa.timestamp('us', 'UTC')): a naive time is "
+                             "ambiguous")
+        table = _conform(table, self.timer_schema.remove_metadata().set(
+            len(self.key), pa.field(TIMER, TIMER_TYPE)), f"{where}: {name}")
+        if table.column(TIMER).null_count:
+            raise ValueError(f"{where}: {name} has {table.column(TIMER).null_count} null "
+                             f"{TIMER!r} value(s); every timer needs a time")
+        return table
 
     def _check_keys_allowed(self, changes: pa.Table, what: str,
                             allowed: list[pa.Table]) -> None:

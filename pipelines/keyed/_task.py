@@ -70,6 +70,8 @@ _RESULT_SCHEMA = pa.schema([
     ("private", pa.bool_()),  # ran on a private copy of the local store (its lock was held)
     ("lock_wait_seconds", pa.float64()),
     ("newest", pa.int64()),  # the batch's newest event time, microseconds since the epoch
+    ("late_rows", pa.int64()),  # a summary: the range's input rows dropped as late
+    ("fired_timers", pa.int64()),  # timers that fired in the range this batch
     *[(f.name, t) for f, t in zip(fields(StateHandleRef), (
         pa.string(), pa.string(), pa.int64(), pa.int64(), pa.binary(), pa.string(), pa.int64(),
         pa.string(), pa.string()), strict=True)],
@@ -146,7 +148,9 @@ class KeyedStageTask:
     change file or snapshot is written and its local store updated, before the result
     reaches the driver (the runner's ``task_after_write``). ``local_lock_timeout``: the
     longest a task waits for a local store's lock before it runs on a private copy of the
-    store (``_locked_store``); the runner passes its lease ttl."""
+    store (``_locked_store``); the runner passes its lease ttl. ``processing_time``: the
+    batch's wall-clock time, taken once on the driver, at or before which processing-time
+    timers fire (None: a stage without them)."""
 
     storage: CheckpointStorage
     job_id: str
@@ -165,6 +169,7 @@ class KeyedStageTask:
     after_write: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
     local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL
+    processing_time: dt.datetime | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chains", tuple(
@@ -255,3 +260,4 @@ class KeyedRangeResult:
     damage: str | None = None  # why the local store was unusable (damaged), naming the file
     private: bool = False
     lock_wait_seconds: float = 0.0
+    fired_timers: int = 0

@@ -162,7 +162,8 @@ class KeyedResult:
     A stage with a ``time_mode`` may also return ``timers`` (key columns and a ``timer``
     timestamp column: timers to register; registering a timer twice is a no-op) and
     ``deleted_timers`` (the same columns: timers to delete; deleting a missing one is a
-    no-op). Timers live with the key's state: the key must have state after the batch."""
+    no-op). Deletions apply first: a result that deletes and registers the same timer keeps
+    it. Timers live with the key's state: the key must have state after the batch."""
 
     upserts: pa.Table
     deletes: pa.Table

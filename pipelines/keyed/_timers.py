@@ -1,5 +1,5 @@
 """A keyed stage's timers within one range and batch, on Arrow tables (docs/design.md, "Keyed
-state", 7.9). Nothing here needs Spark.
+state", 7.8). Nothing here needs Spark.
 
 Timers live in the key's stored state row, column ``_timers`` (a list of timestamps, null for
 none): they are checkpointed in the same change files and snapshots, rescaled by key group and
@@ -111,13 +111,14 @@ def fold(stage: KeyedStage, layout: KeyedStateLayout, base: pa.Table, result: Ke
     new = layout.stamp(upserts, now) if now else upserts
     new = concat_as(stored.remove(stored.get_field_index(TIMERS)), [
         new.select([n for n in stored.names if n != TIMERS]), untouched])
-    # their timers: the old ones, plus added, less removed
+    # their timers: the old ones less removed, plus added (a timer deleted and registered
+    # by one result stays: replacing a key's timer by the same time keeps it)
     at = _positions(stage, new, base)
-    old = _explode(stage, base.take(pa.array(at[at >= 0])))
-    timers = concat_as(stage.timer_schema, [old, added])
-    if removed.num_rows:
+    timers = _explode(stage, base.take(pa.array(at[at >= 0])))
+    if removed.num_rows and timers.num_rows:
         timers = timers.join(stage.cast_keys(removed.select(key)).append_column(
             TIMER, removed.column(TIMER)), [*key, TIMER], join_type="left anti")
+    timers = concat_as(stage.timer_schema, [timers, added])
     if added.num_rows:
         orphans = added.select(key)
         orphans = stage.cast_keys(orphans).join(stage.cast_keys(new), key,

@@ -9,17 +9,27 @@ real Spark (local[2]) through ``apply_keyed_batch``.
 import datetime as dt
 import shutil
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark import cloudpickle
 
 from checkpoint_storage import FileSystemCheckpointStorage, JobID
+from pipelines import (
+    ParquetSink,
+    Source,
+    StatefulPipeline,
+    StatefulRunner,
+    read_state,
+)
 from pipelines.keyed import (
     KeyedResult,
     KeyedStage,
@@ -37,6 +47,7 @@ from pipelines.keyed._batch import _results, _summary
 from pipelines.keyed._executor import _decode_output, _run_partition, _snapshot_ranges
 from pipelines.keyed._routing import _ROUTE, OPERATOR_INDEX, _operator_indices, _routes
 from pipelines.keyed._task import _newer
+from tests.pipelines.support import InjectedFault, storage_of
 
 MAX_PARALLELISM = 8
 ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
@@ -193,10 +204,7 @@ class Model:
     counts: dict[int, int] = field(default_factory=dict)
     timers: dict[int, set[dt.datetime]] = field(default_factory=dict)
     clock: dt.datetime | None = None
-
-    def copy(self) -> "Model":
-        return Model(self.lateness, dict(self.counts),
-                     {k: set(v) for k, v in self.timers.items()}, self.clock)
+    registered: Counter = field(default_factory=Counter)  # registrations per (key, timer)
 
     def run(self, rows: list[tuple]) -> tuple[list[dict], int, list[tuple]]:
         """One batch: its output, late rows and the fired (key, timer, watermark) triples."""
@@ -214,12 +222,13 @@ class Model:
                 continue
             self.counts[k] = self.counts.get(k, 0) + 1
             self.timers.setdefault(k, set())
-        for k, _, op, at in on_time:  # registrations, then deletions win (one result)
-            if k not in dropped and op == "reg":
-                self.timers[k].add(t(at))
-        for k, _, op, at in on_time:
+        for k, _, op, at in on_time:  # deletions first, then registrations (one result)
             if k not in dropped and op == "del":
                 self.timers[k].discard(t(at))
+        for k, _, op, at in on_time:
+            if k not in dropped and op == "reg":
+                self.timers[k].add(t(at))
+                self.registered[k, t(at)] += 1
         output, fired = [], []
         if limit is not None:
             for k in sorted(self.timers):
@@ -231,6 +240,7 @@ class Model:
                 for x in due:
                     if x.second == 0:
                         self.timers[k].add(x + FOLLOW_UP)
+                        self.registered[k, x + FOLLOW_UP] += 1
         return output, late, fired
 
 
@@ -239,7 +249,9 @@ def _sorted(rows: list[dict]) -> list[tuple]:
 
 
 OPS = st.sampled_from(["touch", "reg", "reg", "del", "drop"])
-ROW = st.tuples(st.integers(0, 5), st.integers(0, 240), OPS, st.integers(0, 300))
+# times on a coarse grid, so that timers and rows often fall exactly on the watermark
+TIMES = st.integers(0, 10).map(lambda i: i * 30)
+ROW = st.tuples(st.integers(0, 5), TIMES, OPS, TIMES)
 BATCH = st.lists(ROW, max_size=6)
 
 
@@ -279,12 +291,14 @@ def check_against_model(root: Path, lateness, batches, restore_at, rescale_to):
                                                        len(fired)), f"batch {index}"
     stored = {k: v for k, v in job.timers().items() if v}
     assert stored == {k: sorted(v) for k, v in model.timers.items() if v}
-    assert len({(k, x) for k, x, _ in all_fired}) == len(all_fired)  # at most once
+    # at most once per registration (a timer registered again after it fired fires again)
+    fired_count = Counter((k, x) for k, x, _ in all_fired)
+    assert all(n <= model.registered[timer] for timer, n in fired_count.items())
     assert all(x <= limit for _, x, limit in all_fired)  # never early
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=50, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(lateness=st.sampled_from([None, dt.timedelta(0), dt.timedelta(minutes=30),
@@ -301,3 +315,228 @@ def test_timers_fire_once_never_early_across_restores_and_rescaling(
         check_against_model(root, lateness, batches, restore_at, rescale_to)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def key_count(job: Job) -> dict[int, int]:
+    table = replay_chains(job.chains, KeyedStateLayout.of(job.stage, MAX_PARALLELISM), ALL)
+    return dict(zip(table.column("k").to_pylist(), table.column("n").to_pylist(), strict=True))
+
+
+def test_a_row_at_the_watermark_is_on_time_and_a_timer_at_it_fires(tmp_path):
+    """Watermark = newest event time - allowed lateness: a row exactly at it is on time, one
+    1 us older is dropped and counted; a timer exactly at it fires, one 1 us later waits."""
+    job = Job(tmp_path, stage(dt.timedelta(minutes=30)), 2)
+    us = dt.timedelta(microseconds=1)
+    first = pa.Table.from_pylist([
+        {"k": 1, "ts": t(100), "op": "reg", "at": t(70)},
+        {"k": 1, "ts": t(100), "op": "reg", "at": t(70) + us},
+    ], schema=INPUT)
+    output, late, fired = job.run(first)
+    second = pa.Table.from_pylist([
+        {"k": 2, "ts": t(70), "op": "touch", "at": None},
+        {"k": 3, "ts": t(70) - us, "op": "touch", "at": None},
+    ], schema=INPUT)
+    _, second_late, _ = job.run(second)
+    assert ([(1, t(70), 2)], 0, 1, 1, {1: 2, 2: 1}, {1: [t(70) + us, t(70) + FOLLOW_UP], 2: []}
+            ) == (_sorted(output), late, fired, second_late, key_count(job), job.timers())
+
+
+def test_without_a_watermark_the_ttl_decides_lateness_and_timers_fire_at_the_clock(tmp_path):
+    """A stage without ``watermark`` keeps the rule of before (late: older than the clock
+    minus the ttl; without a ttl nothing is late) and its event-time timers fire once the
+    clock (the newest event time) reaches them."""
+    job = Job(tmp_path, stage(None), 1)
+    output, late, _ = job.run(input_table([(1, 100, "reg", 100), (1, 100, "reg", 101)]))
+    _, old_late, _ = job.run(input_table([(2, 0, "touch", None)]))
+    assert ([(1, t(100), 2)], 0, 0, {1: 2, 2: 1}) == (_sorted(output), late, old_late,
+                                                      key_count(job))
+
+
+def test_timers_fire_in_ranges_without_input_and_leave_with_their_key(tmp_path):
+    """A batch with no rows for a key's range still fires its due timers (every range runs
+    when the stage has timers); a key whose state is deleted loses its timers; a batch with
+    nothing due writes no change file."""
+    job = Job(tmp_path, stage(dt.timedelta(0)), 2)
+    layout = KeyedStateLayout.of(job.stage, MAX_PARALLELISM)
+    groups = layout.key_groups_of(pa.table({"k": pa.array(range(40), pa.int64())}))
+    ranges = [int(g) * 2 // MAX_PARALLELISM for g in groups]
+    other = next(k for k in range(10, 40) if ranges[k] != ranges[1])  # in the other range
+    job.run(input_table([(k, 0, "reg", 60) for k in range(6)] + [(other, 0, "reg", 500)]))
+    job.run(input_table([(0, 1, "drop", None)]))
+    output, _, fired = job.run(input_table([(other, 61, "touch", None)]))
+    before = list(job.chains)
+    _, _, nothing = job.run(input_table([]))
+    assert ([(k, t(60), 1) for k in range(1, 6)], 5, 0, before) == (
+        _sorted(output), fired, nothing, job.chains)
+
+
+def test_processing_time_timers_fire_by_the_batch_wall_clock(tmp_path):
+    """Processing-time timers fire in the first batch whose wall-clock time (the task's
+    ``processing_time``, taken once per batch on the driver) reaches them, also in a batch
+    without rows; one registered already due fires in the batch that registered it."""
+    processing = KeyedStage("timed", "k", STATE, count_and_time, output_schema=OUTPUT,
+                            event_time=None, time_mode=TimeMode.PROCESSING_TIME,
+                            on_timer=emit_fired)
+    job = Job(tmp_path, processing, 2)
+    first, _, _ = job.run(input_table([(1, 0, "reg", 10.5), (2, 0, "reg", -1)]),
+                          processing_time=t(0))
+    early, _, _ = job.run(input_table([]), processing_time=t(10))
+    due, _, _ = job.run(input_table([]), processing_time=t(10.5))
+    assert ([(2, t(-1), 1)], [], [(1, t(10.5), 1)]) == (_sorted(first), early, _sorted(due))
+
+
+def only_timers(input: pa.Table, state: pa.Table) -> KeyedResult:
+    """Registers a timer for each input key without upserting its state."""
+    return KeyedResult(STATE.empty_table(), NO_KEYS, OUTPUT.empty_table(),
+                       pa.table({"k": input.column("k"), "timer": input.column("at")}))
+
+
+def test_a_timer_for_a_key_without_state_is_refused(tmp_path):
+    """Timers live with the key's state: registering one for a key that has no state after
+    the batch fails the batch, naming the stage and the key and saying what to do; nothing
+    is written."""
+    job = Job(tmp_path, replace(stage(None), apply=only_timers), 1)
+    with pytest.raises(ValueError) as refused:
+        job.run(input_table([(7, 0, "reg", 5)]))
+    message = str(refused.value)
+    assert ("keyed stage timed", "{'k': 7}", "upsert the key's state", [None]) == (
+        *(s for s in ("keyed stage timed", "{'k': 7}", "upsert the key's state")
+          if s in message), [c.full_snapshot for c in job.chains])
+    assert not job.chains[0].changes
+
+
+def no_op(input: pa.Table, state: pa.Table) -> KeyedResult:
+    return KeyedResult(STATE.empty_table(), NO_KEYS, OUTPUT.empty_table())
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"on_timer": emit_fired}, "on_timer and time_mode go together"),
+    ({"time_mode": TimeMode.EVENT_TIME, "event_time": "ts"},
+     "on_timer and time_mode go together"),
+    ({"time_mode": TimeMode.EVENT_TIME, "on_timer": emit_fired},
+     "event-time timers need event_time"),
+    ({"watermark": Watermark(dt.timedelta(minutes=5))}, "a watermark needs event_time"),
+    ({"time_mode": "event_time", "on_timer": emit_fired, "event_time": "ts"},
+     "time_mode must be a TimeMode"),
+])
+def test_stages_with_timers_or_a_watermark_are_checked(options, says):
+    """A stage's timers and watermark are checked when it is declared, naming the stage."""
+    with pytest.raises((ValueError, TypeError)) as refused:
+        KeyedStage("timed", "k", STATE, no_op, **options)
+    assert ("keyed stage timed", says) == tuple(
+        s for s in ("keyed stage timed", says) if s in str(refused.value))
+
+
+def test_watermark_arguments_are_checked():
+    """A negative lateness is refused; a late-rows output is not built yet and says so."""
+    with pytest.raises(ValueError, match="allowed_lateness"):
+        Watermark(dt.timedelta(minutes=-1))
+    with pytest.raises(ValueError, match="not supported yet"):
+        Watermark(late_rows="late")
+
+
+@pytest.mark.parametrize(("timers", "says"), [
+    (pa.table({"k": [1], "timer": pa.array([T0], UTC_US)}), "has no time_mode"),
+])
+def test_timers_from_a_stage_without_time_mode_are_refused(timers, says):
+    """A stage without ``time_mode`` that returns timers is refused, saying what to set."""
+    def returns_timers(input: pa.Table, state: pa.Table) -> KeyedResult:
+        return KeyedResult(pa.table({"k": [1], "n": [1]}), NO_KEYS, OUTPUT.empty_table(),
+                           timers)
+
+    plain = KeyedStage("plain", "k", STATE, returns_timers)
+    with pytest.raises(ValueError, match=says):
+        plain.run(pa.table({"k": [1]}), STATE.empty_table())
+
+
+def test_naive_or_null_timers_and_other_keys_timers_are_refused():
+    """A timer must be a zoned timestamp, never null, and of a key the result may change."""
+    timed = stage(None)
+    input = pa.table({"k": [1]})
+
+    def result(timers: pa.Table) -> KeyedResult:
+        return KeyedResult(pa.table({"k": [1], "n": [1]}), NO_KEYS, OUTPUT.empty_table(),
+                           timers)
+
+    cases = [
+        (pa.table({"k": [1], "timer": pa.array([dt.datetime(2026, 1, 1)], pa.timestamp(
+            "us"))}), "timezone-aware"),
+        (pa.table({"k": [1], "timer": pa.array([None], UTC_US)}), "null"),
+        (pa.table({"k": [2], "timer": pa.array([T0], UTC_US)}), "not among the batch's"),
+    ]
+    messages = []
+    for timers, _ in cases:
+        with pytest.raises(ValueError) as refused:
+            replace(timed, apply=lambda i, s, timers=timers: result(timers)).run(
+                input, STATE.empty_table())
+        messages.append(str(refused.value))
+    assert [says for _, says in cases] == [
+        says for (_, says), message in zip(cases, messages, strict=True) if says in message]
+
+
+# --- on Spark, run by the runner -------------------------------------------------------------
+
+EVENTS = {  # per partition, per batch: (key, minutes, op, timer minutes or None)
+    "p1": [[(1, 0, "reg", 30), (2, 5, "reg", 50), (3, 5, "reg", 200)],
+           [(1, 40, "touch", None), (2, 45, "del", 50), (4, 45, "reg", 60)]],
+    "p2": [[(5, 90, "reg", 95), (1, 10, "touch", None)],  # (1, 10) is late
+           [(3, 120, "drop", None), (6, 130, "reg", 100)],
+           [(6, 200, "touch", None)]],
+}
+
+
+@dataclass(frozen=True)
+class TimedEvents(Source):
+    """``EVENTS`` as DataFrames: the same batch always has the same rows."""
+
+    def batches(self, spark, partition):
+        return [f"{partition}-{i}" for i in range(len(EVENTS[partition]))]
+
+    def read(self, spark, partition, batch):
+        part, index = batch.rsplit("-", 1)
+        table = input_table(EVENTS[part][int(index)])
+        return spark.createDataFrame(table.to_pandas(), "k long, ts timestamp, op string, "
+                                     "at timestamp")
+
+
+def timed_pipeline(tmp_path: Path, parallelism: int) -> StatefulPipeline:
+    return StatefulPipeline(
+        name="timers", stages=[stage(dt.timedelta(minutes=30))], source=TimedEvents(),
+        partitions=dg.StaticPartitionsDefinition(["p1", "p2"]), checkpoint_interval=1,
+        max_parallelism=MAX_PARALLELISM, keyed_parallelism=parallelism,
+        sinks=[ParquetSink(name="fired", stage="timed", of="output",
+                           url=str(tmp_path / "fired"))])
+
+
+@pytest.mark.timeout(600)
+def test_the_runner_fires_timers_once_across_a_failure_restore_and_rescale(spark, tmp_path):
+    """On Spark, through the runner: a run killed after a batch of p2 and resumed at another
+    parallelism fires every timer once (the sink holds the model's rows), reports late rows
+    and fired timers in its progress lines, and the readers show the pending timers."""
+    def kill(point, **info):
+        if point == "batch_applied" and info["partition"] == "p2" and info["batch"] == 1:
+            raise InjectedFault("killed")
+
+    progress: list[str] = []
+    with pytest.raises(InjectedFault):
+        StatefulRunner(spark, storage_of(tmp_path), timed_pipeline(tmp_path, 2),
+                       keyed_local_dir=str(tmp_path / "local"), fault_hook=kill).run(
+            ["p1", "p2"], on_progress=progress.append)
+    runner = StatefulRunner(spark, storage_of(tmp_path), timed_pipeline(tmp_path, 3),
+                            keyed_local_dir=str(tmp_path / "local"))
+    runner.run(["p2"], on_progress=progress.append)
+    model = Model(dt.timedelta(minutes=30))
+    expected = []
+    for partition in ("p1", "p2"):
+        for batch in EVENTS[partition]:
+            expected += model.run(batch)[0]
+    fired = pa.concat_tables([pq.read_table(path) for path in sorted(
+        (tmp_path / "fired").rglob("*.parquet"))])
+    state = read_state(runner.store.latest().external_pointer, "timed")
+    timers = {k: sorted(v) for k, v in zip(state.column("k").to_pylist(),
+                                           state.column("_timers").to_pylist(), strict=True)
+              if v}
+    assert (_sorted(expected), {k: sorted(v) for k, v in model.timers.items() if v}) == (
+        _sorted(fired.to_pylist()), timers)
+    assert any("1 late row(s) dropped" in line for line in progress)
+    assert any("timer(s) fired" in line for line in progress)

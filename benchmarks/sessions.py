@@ -25,9 +25,11 @@ not timed; ours takes it in slices of the 3 minutes of lateness, since its water
 a batch's own views: whole, most of it would be late). Every later batch covers ``STEP`` of
 event time with about 1% of S views: half of them continue open sessions, half start new
 ones (returning users and new ones), as many as the sessions that close in that step, so
-that about S sessions stay open. Event times are multiples of 7 ms: no two views are exactly
-the gap apart (1,800,000 ms has no factor 7), so the systems' boundary rules (``<`` or
-``<=``) never differ, and Spark's millisecond watermark is exact.
+that about S sessions stay open. Event times are whole multiples of 7 seconds: no two views
+are exactly the gap apart and no timer is exactly at a watermark (1,800 s and 1,800 + 180 s
+have no factor 7), so the systems' boundary rules (``<`` or ``<=``) never differ, and neither
+Spark's millisecond watermark nor the former stage's comparison in whole seconds truncates
+anything.
 
 Per system and S: bytes written per batch (the growth of the checkpoint directory's files,
 listed before and after each batch; SS: and after two maintenance intervals at the end, as in
@@ -78,7 +80,7 @@ SS_MAINTENANCE_INTERVAL = "2s"
 KEYED_PARALLELISM = 2
 GAP_MS = 30 * 60 * 1000
 STEP_MS = 9_000  # event time per batch: about 0.5% of the sessions close in each
-QUANTUM_MS = 7  # event times are multiples of this; GAP_MS is not
+QUANTUM_MS = 7_000  # event times are multiples of this; GAP_MS and LATENESS_MS are not
 LATENESS_MS = 3 * 60 * 1000  # both systems' allowed lateness (SS: the watermark's delay)
 WARMUP_SLICES = GAP_MS // LATENESS_MS  # batch 0 in slices none of which is late for ours
 STAGE = "sessions"
@@ -223,7 +225,7 @@ def final_watermark_ms(system: str, data: Path, upto: int) -> int:
     ``upto``: SS's is the newest event time of the batches before the last (no-data batches
     off) minus the lateness; ours' the newest of all minus the lateness; before's the newest
     of all (no lateness), with a strict rule that never differs here (event times are
-    multiples of 7 ms)."""
+    multiples of 7 s)."""
     newest = {b: pc.max(pq.read_table(data / f"batch-{b:05d}.parquet", columns=["viewed_at"])
                         .column("viewed_at")).value // 1000 for b in range(upto + 1)}
     if system == "tws-rocksdb":

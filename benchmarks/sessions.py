@@ -41,7 +41,7 @@ at that system's final watermark; a wrong result fails the size's targets.
 Targets per S (1M and 4M by default): ours' batch wall <= 1.0x and bytes per batch <= 1.0x
 SS's. Ours against before is printed without a target.
 
-    python benchmarks/sessions.py [--sizes 1000000,4000000] [--batches 30]
+    python benchmarks/sessions.py [--sizes 1000000,4000000] [--batches 12]
         [--before-batches 3] [--ss-min-deltas 10] [--quick]
 
 ``--quick``: a smoke run (5,000 sessions, 6 batches, 2 before, SS snapshot every 3
@@ -643,7 +643,8 @@ def main(argv=None) -> None:
     parser.add_argument("--data")
     parser.add_argument("--work")
     parser.add_argument("--sizes", default="1000000,4000000")
-    parser.add_argument("--batches", type=int, default=30)
+    # 12: the window holds one SS snapshot per state partition (minDeltasForSnapshot 10)
+    parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--before-batches", type=int, default=3)
     parser.add_argument("--ss-min-deltas", type=int, default=10)
     parser.add_argument("--systems", default=",".join(SYSTEMS))

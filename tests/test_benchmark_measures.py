@@ -1,6 +1,7 @@
 """The measuring parts of benchmarks/state_growth.py that its targets rest on, without Spark:
 the recomputed state and its comparison, the bytes written between two listings, the chain
-lengths that choose the recovery points, and the memory of a process tree."""
+lengths that choose the recovery points, and the memory of a process tree; and
+benchmarks/sessions.py's batches and recomputation."""
 
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import sessions as sb  # noqa: E402
 import state_growth as sg  # noqa: E402
 from _common import tree_memory  # noqa: E402
 
@@ -83,3 +85,53 @@ def test_tree_memory_counts_the_children():
     finally:
         child.kill()
         child.wait()
+
+
+# --- benchmarks/sessions.py ------------------------------------------------------------------
+
+
+def _brute_force_sessions(data: Path, upto: int, watermark_ms: int) -> tuple[set, set]:
+    views = pa.concat_tables(pq.read_table(data / f"batch-{b:05d}.parquet")
+                             for b in range(upto + 1))
+    by_user: dict[str, list[int]] = {}
+    for user, ts in zip(views.column("user_id").to_pylist(),
+                        views.column("viewed_at").cast(pa.int64()).to_pylist(), strict=True):
+        by_user.setdefault(user, []).append(ts // 1000)
+    closed, open_ = set(), set()
+    for user, times in by_user.items():
+        times.sort()
+        sessions, start, last, n = [], times[0], times[0], 0
+        for t in times:
+            if t - last >= sb.GAP_MS:
+                sessions.append((user, start, last, n))
+                start, n = t, 0
+            last, n = t, n + 1
+        sessions.append((user, start, last, n))
+        closed |= set(sessions[:-1])
+        (closed if last + sb.GAP_MS <= watermark_ms else open_).add(sessions[-1])
+    return closed, open_
+
+
+def _as_ms(table: pa.Table) -> set:
+    return {(r[0], int(r[1].timestamp() * 1000), int(r[2].timestamp() * 1000), r[3])
+            for r in (tuple(d.values()) for d in table.to_pylist())}
+
+
+def test_session_batches_keep_the_open_sessions_and_the_recomputation_is_exact(tmp_path):
+    """The generator keeps about S sessions open while some close every batch, no two views
+    exactly the gap apart; the vectorised recomputation equals a brute force one; a wrong
+    view count is named."""
+    sb.write_batches(tmp_path, sessions=400, batches=8)
+    watermark = sb.final_watermark_ms("ours", tmp_path, 8)
+    closed, open_ = sb.expected_sessions(tmp_path, 8, watermark)
+    warmup = pa.concat_tables(pq.read_table(p) for p in sorted((tmp_path / "warmup").glob("*")))
+    ms = pa.concat_tables(pq.read_table(p) for p in sorted(tmp_path.glob("batch-*"))).column(
+        "viewed_at").cast(pa.int64()).to_numpy() // 1000
+
+    assert (_as_ms(closed), _as_ms(open_)) == _brute_force_sessions(tmp_path, 8, watermark)
+    assert 0 < closed.num_rows and 360 <= open_.num_rows <= 440
+    assert pq.read_table(tmp_path / "batch-00000.parquet").equals(warmup)
+    assert np.all(ms % sb.QUANTUM_MS == 0) and sb.GAP_MS % sb.QUANTUM_MS != 0
+    assert sb.compare("open", open_, open_, sb.SESSION_NAMES).startswith("open equal")
+    wrong = open_.set_column(3, "views", pc.add(open_.column("views"), 1))
+    assert sb.compare("open", wrong, open_, sb.SESSION_NAMES).endswith("differ in views")

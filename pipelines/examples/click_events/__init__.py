@@ -11,7 +11,12 @@ from pipelines.examples.click_events.pipeline import (
     click_events_pipeline,
     report_columns,
 )
-from pipelines.examples.click_events.stages import KEYED_STAGES, STAGES
+from pipelines.examples.click_events.stages import (
+    KEYED_STAGES,
+    SILENCE,
+    SILENT_USERS_KEYED,
+    STAGES,
+)
 
 __all__ = [
     "DAILY_PARTITIONS",
@@ -19,6 +24,8 @@ __all__ = [
     "FIRST_PARTITION",
     "KEYED_STAGES",
     "NAME",
+    "SILENCE",
+    "SILENT_USERS_KEYED",
     "STAGES",
     "LandingConfig",
     "click_events_asset",

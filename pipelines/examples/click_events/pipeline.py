@@ -12,9 +12,16 @@ import dagster as dg
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from pipelines import FileSource, KeyedStage, SparkWriterSink, Stage, StatefulPipeline
+from pipelines import (
+    FileSource,
+    KeyedStage,
+    ParquetSink,
+    SparkWriterSink,
+    Stage,
+    StatefulPipeline,
+)
 from pipelines.examples.click_events.events import EVENT_ARROW_SCHEMA, generate_day
-from pipelines.examples.click_events.stages import KEYED_STAGES
+from pipelines.examples.click_events.stages import KEYED_STAGES, SILENT_USERS_KEYED
 from sensors import pipeline_definitions
 
 __all__ = [
@@ -100,11 +107,19 @@ def click_events_pipeline(
     max_retained_checkpoints: int = 3,
     storage_options: dict | None = None,
     stages: Sequence[Stage | KeyedStage] = KEYED_STAGES,
+    alerts_url: str | None = None,
 ) -> StatefulPipeline:
     """The pipeline over ``<landing_dir>/date=<day>/`` (any fsspec URL; ``storage_options``
     are its non-secret fsspec options), reporting into ``report_dir`` (a Spark path).
     ``stages``: the keyed stages (``KEYED_STAGES``), or the DataFrame stages that compute
-    the same (``STAGES``)."""
+    the same (``STAGES``). ``alerts_url``: add the ``silent_users`` stage (an alert per user
+    silent for 2 hours, ``SILENT_USERS_KEYED``) and its alerts as Parquet under this URL."""
+    alerts = []
+    if alerts_url is not None:
+        stages = (*stages, SILENT_USERS_KEYED)
+        alerts = [ParquetSink(name="silence_alerts", stage=SILENT_USERS_KEYED.name,
+                              url=alerts_url, partition_column="date",
+                              storage_options=dict(storage_options or {}))]
     return StatefulPipeline(
         name=NAME,
         stages=stages,
@@ -123,7 +138,8 @@ def click_events_pipeline(
                 path=report_dir,
                 partition_column="report_date",
                 transform=report_columns,
-            )
+            ),
+            *alerts,
         ],
         checkpoint_interval=checkpoint_interval,
         max_retained_checkpoints=max_retained_checkpoints,

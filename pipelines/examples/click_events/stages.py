@@ -10,6 +10,12 @@ output)``, testable without Dagster or checkpoints.
 Amounts are decimals, so sums are exact whatever the partitioning: a recovered run and an
 uninterrupted one agree to the cent.
 
+``SILENT_USERS_KEYED`` (``silent_users``, keyed, with event-time timers): an alert row when a
+user has been silent for ``SILENCE`` (2 hours of event time): each event re-arms the user's
+timer at its last event + ``SILENCE``; the timer fires once the watermark (the newest event
+seen minus ``SILENCE_LATENESS``) reaches it, emits the alert and forgets the user until the
+next event. ``click_events_pipeline(..., alerts_url=...)`` adds it and its sink.
+
 ``KEYED_STAGES`` are the same two stages as keyed stages (``pipelines.keyed``, docs/design.md
 section 7): pure Arrow functions of one batch and the state of its keys. They compute what
 ``STAGES`` compute (tests/pipelines/test_click_events_keyed.py), with these differences, none
@@ -35,7 +41,16 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from pipelines import KeyedResult, KeyedStage, Stage, StateTtl, TtlTimeCharacteristic, agg
+from pipelines import (
+    SOURCE,
+    KeyedResult,
+    KeyedStage,
+    Stage,
+    StateTtl,
+    TtlTimeCharacteristic,
+    agg,
+)
+from pipelines.keyed import TimeMode, Watermark
 
 __all__ = [
     "DEDUPE_KEYED",
@@ -45,13 +60,20 @@ __all__ = [
     "DEDUPE_STATE_SCHEMA",
     "EVENT_SCHEMA",
     "KEYED_STAGES",
+    "SILENCE",
+    "SILENCE_ALERT_SCHEMA",
+    "SILENCE_LATENESS",
+    "SILENT_USERS_KEYED",
+    "SILENT_USERS_STATE_SCHEMA",
     "STAGES",
     "USER_ACTIVITY_KEYED",
     "USER_ACTIVITY_KEYED_STATE_SCHEMA",
     "USER_ACTIVITY_OUTPUT_SCHEMA",
     "USER_ACTIVITY_STATE_SCHEMA",
+    "alert_silence",
     "dedupe",
     "dedupe_events",
+    "track_silence",
     "user_activity",
     "user_activity_totals",
 ]
@@ -205,3 +227,90 @@ never null, in Spark's output too)."""
 USER_ACTIVITY_KEYED_STATE_SCHEMA = USER_ACTIVITY_KEYED.state_schema
 user_activity_totals = USER_ACTIVITY_KEYED.apply
 KEYED_STAGES: tuple[KeyedStage, ...] = (DEDUPE_KEYED, USER_ACTIVITY_KEYED)
+
+
+# --- silence alerts (event-time timers) ---------------------------------------------------
+
+SILENCE = dt.timedelta(hours=2)
+SILENCE_LATENESS = dt.timedelta(days=1)
+"""The alerts' allowed lateness: a day lands as batches that span up to a day, whose own
+events must be on time; events later than this are dropped (and counted) by the stage."""
+SILENT_USERS_STATE_SCHEMA = pa.schema(
+    [pa.field("user_id", pa.string(), nullable=False), ("last_seen", _TS)]
+)
+SILENCE_ALERT_SCHEMA = pa.schema(
+    [pa.field("user_id", pa.string(), nullable=False), ("last_seen", _TS), ("silent_at", _TS)]
+)
+
+
+def track_silence(input: pa.Table, state: pa.Table) -> KeyedResult:
+    """Keyed ``silent_users`` for one batch. Per user, the batch's events newer than its
+    ``last_seen`` in time order: each one ``SILENCE`` or more after the one before (or after
+    ``last_seen``) ends a silence, whose alert is the output (the user came back before the
+    timer fired). The newest event is the new ``last_seen``; the timer moves to it +
+    ``SILENCE``. An event older than the user's newest changes nothing."""
+    events = input.filter(pc.is_valid(input.column("event_ts")))
+    seen = pa.table({"user_id": events.column("user_id").cast(pa.string()),
+                     "event_ts": events.column("event_ts").cast(_TS)})
+    seen = seen.join(state.select(SILENT_USERS_STATE_SCHEMA.names), "user_id",
+                     join_type="left outer")
+    seen = seen.filter(pc.or_kleene(pc.is_null(seen.column("last_seen")),
+                                    pc.greater(seen.column("event_ts"),
+                                               seen.column("last_seen"))))
+    seen = pa.table({"user_id": seen.column("user_id"), "last_seen": seen.column("event_ts")})
+    both = pa.concat_tables([state.select(SILENT_USERS_STATE_SCHEMA.names).cast(seen.schema),
+                             seen]).sort_by([("user_id", "ascending"), ("last_seen", "ascending")])
+    users = both.column("user_id").combine_chunks()
+    ts = both.column("last_seen").cast(pa.int64()).to_numpy()
+    same_user = np.r_[False, pc.equal(users[1:], users[:-1]).to_numpy(zero_copy_only=False)] \
+        if len(both) > 1 else np.zeros(len(both), bool)
+    step = np.r_[0, np.diff(ts)] if len(ts) else ts
+    silence = int(SILENCE / dt.timedelta(microseconds=1))
+    ends = np.flatnonzero(same_user & (step >= silence))  # rows that end a silence
+    newest = np.r_[~same_user[1:], True] if len(both) else np.zeros(0, bool)
+
+    def at(rows: np.ndarray) -> pa.Array:
+        return pa.array(ts[rows], pa.int64()).cast(_TS)
+
+    alerts = pa.table({"user_id": users.take(pa.array(ends - 1)), "last_seen": at(ends - 1),
+                       "silent_at": pc.add(at(ends - 1), pa.scalar(SILENCE))},
+                      schema=SILENCE_ALERT_SCHEMA)
+    rows = np.flatnonzero(newest)
+    upserts = pa.table({"user_id": users.take(pa.array(rows)), "last_seen": at(rows)},
+                       schema=SILENT_USERS_STATE_SCHEMA)
+    timers = pa.table({"user_id": upserts.column("user_id"),
+                       "timer": pc.add(upserts.column("last_seen"), pa.scalar(SILENCE))})
+    old = pa.table({"user_id": state.column("user_id"),
+                    "timer": pc.add(state.column("last_seen"), pa.scalar(SILENCE))})
+    moved = old.join(timers, ["user_id", "timer"], join_type="left anti")
+    return KeyedResult(upserts, upserts.select(["user_id"]).slice(0, 0), alerts,
+                       timers=timers, deleted_timers=moved.select(["user_id", "timer"]))
+
+
+def alert_silence(fired: pa.Table, state: pa.Table) -> KeyedResult:
+    """A user's timer fired: no event for ``SILENCE`` after its ``last_seen``. The alert is
+    the output; the user's state (and timer) goes until its next event re-arms it."""
+    newest = fired.group_by("user_id", use_threads=False).aggregate([("timer", "max")])
+    due = state.join(newest, "user_id", join_type="inner")
+    silent_at = pc.add(due.column("last_seen"), pa.scalar(SILENCE))
+    due = due.append_column("silent_at", silent_at).filter(
+        pc.less_equal(silent_at, due.column("timer_max")))
+    alerts = due.select(SILENCE_ALERT_SCHEMA.names).cast(SILENCE_ALERT_SCHEMA)
+    return KeyedResult(SILENT_USERS_STATE_SCHEMA.empty_table(), alerts.select(["user_id"]),
+                       alerts)
+
+
+SILENT_USERS_KEYED = KeyedStage(
+    "silent_users",
+    key="user_id",
+    state_schema=SILENT_USERS_STATE_SCHEMA,
+    apply=track_silence,
+    on_timer=alert_silence,
+    time_mode=TimeMode.EVENT_TIME,
+    watermark=Watermark(allowed_lateness=SILENCE_LATENESS),
+    event_time="event_ts",
+    input=SOURCE,
+    output_schema=SILENCE_ALERT_SCHEMA,
+)
+"""Users seen and not yet silent for ``SILENCE`` (keyed state, one timer each); output: one
+alert per silence, when the watermark passes it."""

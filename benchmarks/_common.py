@@ -136,3 +136,29 @@ class PeakMemory:
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
+
+
+def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
+                    maintenance_interval: str = "2s", no_data_batches: bool = True):
+    """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
+    with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
+    benchmarks compare with this, so they build it one way."""
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
+    return (
+        SparkSession.builder.master("local[2]").appName(app)
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "6g")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.streaming.stateStore.providerClass",
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
+        .config("spark.sql.streaming.stateStore.minDeltasForSnapshot", str(ss_min_deltas))
+        .config("spark.sql.streaming.stateStore.maintenanceInterval", maintenance_interval)
+        .config("spark.sql.streaming.noDataMicroBatches.enabled", str(no_data_batches).lower())
+        .getOrCreate()
+    )  # fmt: skip

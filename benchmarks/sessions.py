@@ -71,7 +71,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import targets_line  # noqa: E402
+from _common import rocksdb_session, targets_line  # noqa: E402
 from state_growth import listing, written_between  # noqa: E402
 
 SYSTEMS = ("tws-rocksdb", "ours", "before")
@@ -334,23 +334,8 @@ def _session_processor():
 
 
 def _spark(app: str, ss_min_deltas: int):
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    return (
-        SparkSession.builder.master("local[2]").appName(app)
-        .config("spark.sql.shuffle.partitions", str(SHUFFLE_PARTITIONS))
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", "6g")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.stateStore.providerClass",
-                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-        .config("spark.sql.streaming.stateStore.minDeltasForSnapshot", str(ss_min_deltas))
-        .config("spark.sql.streaming.stateStore.maintenanceInterval", SS_MAINTENANCE_INTERVAL)
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .getOrCreate()
-    )  # fmt: skip
+    return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
+                           maintenance_interval=SS_MAINTENANCE_INTERVAL, no_data_batches=False)
 
 
 def _tws_query(spark, feed: Path, checkpoint: Path, sink: Path):

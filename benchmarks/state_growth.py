@@ -66,7 +66,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import PeakMemory, tree_cpu_seconds  # noqa: E402
+from _common import PeakMemory, rocksdb_session, tree_cpu_seconds  # noqa: E402
 
 SYSTEMS = ("ss-rocksdb", "ours")
 SHUFFLE_PARTITIONS = 4
@@ -267,22 +267,8 @@ def kind_of(system: str, path: str) -> str:
 
 
 def _spark(app: str, ss_min_deltas: int):
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
-    return (
-        SparkSession.builder.master("local[2]").appName(app)
-        .config("spark.sql.shuffle.partitions", str(SHUFFLE_PARTITIONS))
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", "6g")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.stateStore.providerClass",
-                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-        .config("spark.sql.streaming.stateStore.minDeltasForSnapshot", str(ss_min_deltas))
-        .config("spark.sql.streaming.stateStore.maintenanceInterval", SS_MAINTENANCE_INTERVAL)
-        .getOrCreate()
-    )  # fmt: skip
+    return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
+                           maintenance_interval=SS_MAINTENANCE_INTERVAL)
 
 
 def _ss_query(spark, feed: Path, checkpoint: Path):

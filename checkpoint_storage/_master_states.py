@@ -13,7 +13,10 @@ __all__ = [
     "STATE_FORMAT_PREFIX",
     "STATE_SCHEMA_PREFIX",
     "STATISTICS_STATE",
+    "json_object_state",
 ]
+
+import json
 
 JOB_NAME_STATE = "pipeline-name"
 """UTF-8 text: the name of the job (pipeline) that wrote the checkpoint."""
@@ -36,3 +39,18 @@ STATISTICS_STATE = "checkpoint-statistics"
 and reused, rows, durations; per stage and in total), as ``compute_checkpoint_statistics``
 makes them. Absent in checkpoints written before it: ``checkpoint_statistics`` derives what
 the handles tell."""
+
+
+def json_object_state(data: bytes | None, required: set[str] = frozenset()) -> dict | None:
+    """A master state that holds a JSON object (``SOURCE_POSITION_STATE``,
+    ``STATISTICS_STATE``) decoded; None when absent, not JSON or not an object with the
+    ``required`` keys: a tool shows what it cannot read as unknown rather than failing."""
+    if data is None:
+        return None
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(value, dict) or not required <= set(value):
+        return None
+    return value

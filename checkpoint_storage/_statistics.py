@@ -17,7 +17,7 @@ from checkpoint_storage._handles import (
     SegmentFileStateHandle,
     StreamStateHandle,
 )
-from checkpoint_storage._master_states import STATISTICS_STATE
+from checkpoint_storage._master_states import STATISTICS_STATE, json_object_state
 from checkpoint_storage._metadata import CheckpointMetadata, OperatorState
 
 __all__ = [
@@ -176,14 +176,8 @@ def encode_checkpoint_statistics(statistics: Mapping) -> bytes:
 
 
 def _recorded(metadata: CheckpointMetadata) -> dict | None:
-    data = metadata.master_states.get(STATISTICS_STATE)
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("stages"), list):
+    value = json_object_state(metadata.master_states.get(STATISTICS_STATE), {"stages"})
+    if value is None or not isinstance(value.get("stages"), list):
         return None
     return value
 

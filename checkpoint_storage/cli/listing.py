@@ -1,7 +1,6 @@
 """``checkpoints list`` and ``checkpoints latest``: what a directory holds, and the pointer to
 restore from."""
 
-import json
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -17,6 +16,7 @@ from checkpoint_storage import (
     latest_checkpoint,
     list_checkpoints_below,
 )
+from checkpoint_storage._master_states import json_object_state
 from checkpoint_storage.cli.flink import RemapOption, flink_list, remap_pairs
 from checkpoint_storage.cli.helpers import (
     EPILOG,
@@ -68,15 +68,7 @@ def register(app: typer.Typer) -> None:
 
 def _source_position(data: bytes | None) -> dict | None:
     """The ``SOURCE_POSITION_STATE`` JSON object, None when absent or not of that form."""
-    if data is None:
-        return None
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(value, dict) or not {"partition", "batches", "complete"} <= set(value):
-        return None
-    return value
+    return json_object_state(data, {"partition", "batches", "complete"})
 
 
 def describe_position(position: dict | None) -> str:

@@ -439,8 +439,8 @@ class KeyedStage:
                             "KeyedResult(upserts, deletes, output)")
         self.check_key_types(result.upserts.schema, "the upserts'")
         self.check_key_types(result.deletes.schema, "the deletes'")
-        upserts = _conform(result.upserts, self.state_schema, f"{where}: upserts")
-        deletes = _conform(result.deletes.select(
+        upserts = conform_table(result.upserts, self.state_schema, f"{where}: upserts")
+        deletes = conform_table(result.deletes.select(
             [k for k in self.key if k in result.deletes.column_names]), self.key_schema,
             f"{where}: deletes")
         _check_unique(upserts, self.key, f"{where}: upserts")
@@ -488,7 +488,7 @@ class KeyedStage:
             raise ValueError(f"{where}: {name} column {TIMER!r} must be a timezone-aware "
                              "timestamp (e.g. pa.timestamp('us', 'UTC')): a naive time is "
                              "ambiguous")
-        table = _conform(table, self.timer_schema.remove_metadata().set(
+        table = conform_table(table, self.timer_schema.remove_metadata().set(
             len(self.key), pa.field(TIMER, TIMER_TYPE)), f"{where}: {name}")
         if table.column(TIMER).null_count:
             raise ValueError(f"{where}: {name} has {table.column(TIMER).null_count} null "
@@ -556,17 +556,19 @@ def _integer_range(kind: pa.DataType) -> tuple[int, int]:
     return 0, (1 << bits) - 1
 
 
-def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+def conform_table(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    """``table`` as ``schema``: its columns selected in order, cast where Arrow can; errors
+    name ``where`` (the stage and what was returned)."""
     missing = [n for n in schema.names if n not in table.column_names]
     if missing:
-        raise ValueError(f"{where} lack column(s) {missing}; expected {schema.names}")
+        raise ValueError(f"{where}: missing column(s) {missing}; expected {schema.names}")
     table = table.select(schema.names)
     if table.schema == schema:
         return table
     try:
         return table.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-        raise ValueError(f"{where} do not fit the schema {schema}: {exc}") from exc
+        raise ValueError(f"{where}: does not fit the schema {schema}: {exc}") from exc
 
 
 def _check_unique(table: pa.Table, key: tuple[str, ...], where: str) -> None:

@@ -46,6 +46,7 @@ from pipelines.keyed._stage import (
     KeyedStage,
     StateTtl,
     TtlTimeCharacteristic,
+    conform_table,
     key_type_fits,
 )
 
@@ -513,22 +514,14 @@ class StateVariables:
         return found
 
     def _conform(self, table: pa.Table, schema: pa.Schema, what: str) -> pa.Table:
-        missing = [n for n in schema.names if n not in table.column_names]
-        if missing:
-            raise ValueError(f"{what} lacks column(s) {missing}; expected {schema.names}")
         for name in self.key.names:
+            if name not in table.column_names:
+                continue  # conform_table names the missing columns
             given, declared = table.schema.field(name).type, self.key.field(name).type
             if not key_type_fits(given, declared):
                 raise ValueError(f"{what}: key column {name!r} has type {given}, the key is "
                                  f"{declared}; cast it (keys are not cast silently)")
-        table = table.select(schema.names)
-        if table.schema == schema:
-            return table
-        try:
-            return table.cast(schema)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
-            raise ValueError(f"{what} does not fit the variable's schema {schema}: "
-                             f"{exc}") from exc
+        return conform_table(table, schema, what)
 
     def compile(self, physical: pa.Table, entries: Mapping[str, pa.Table],
                 changes: StateChanges, now: dt.datetime | None) -> tuple[pa.Table, pa.Table]:

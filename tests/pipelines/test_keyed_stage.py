@@ -131,13 +131,13 @@ NO_DELETES = pa.table({"user": pa.array([], pa.string())})
     [
         ((UPSERT_A, NO_DELETES), "apply returned tuple"),
         (KeyedResult(UPSERT_A.drop_columns(["clicks"]), NO_DELETES, UPSERT_A),
-         r"upserts lack column\(s\) \['clicks'\]"),
+         r"upserts: missing column\(s\) \['clicks'\]"),
         (KeyedResult(pa.concat_tables([UPSERT_A, UPSERT_A]), NO_DELETES, UPSERT_A),
          "upserts name 1 key.* more than once"),
         (KeyedResult(UPSERT_A, pa.table({"user": ["a"]}), UPSERT_A),
          "both upserted and deleted"),
         (KeyedResult(UPSERT_A, pa.table({"account": ["a"]}), UPSERT_A),
-         r"deletes lack column\(s\) \['user'\]"),
+         r"deletes: missing column\(s\) \['user'\]"),
     ],
 )
 def test_a_bad_result_is_refused_naming_the_stage(result, match):

@@ -358,9 +358,9 @@ def test_bad_variables_are_refused_naming_them():
     (lambda i, s: StateChanges(output=i, appends={"profile": i}),
      r"'profile' is a value variable; StateChanges.appends is for list variables"),
     (lambda i, s: StateChanges(output=i, values={"profile": i.select(["user"])}),
-     r"values\['profile'\] lacks column\(s\) \['score'\]"),
+     r"values\['profile'\]: missing column\(s\) \['score'\]"),
     (lambda i, s: StateChanges(output=i, values={"profile": pa.table({
-        "user": ["a"], "score": ["not a number"]})}), "does not fit the variable's schema"),
+        "user": ["a"], "score": ["not a number"]})}), "does not fit the schema"),
     (lambda i, s: StateChanges(output=i, values={"profile": pa.table({
         "user": pa.array([1], pa.int64()), "score": [1]})}), "key column 'user' has type int64"),
     (lambda i, s: i, "returned Table, expected a StateChanges"),

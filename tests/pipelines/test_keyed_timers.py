@@ -560,6 +560,24 @@ def test_the_runner_fires_timers_once_across_a_failure_restore_and_rescale(spark
     assert any("timer(s) fired" in line for line in progress)
 
 
+@pytest.mark.timeout(300)
+def test_a_restore_into_another_time_mode_is_refused_naming_both(spark, tmp_path):
+    """Event-time timers restored into a processing-time stage would fire by the wrong clock:
+    refused before any batch, naming both modes; nothing committed after p1."""
+    StatefulRunner(spark, storage_of(tmp_path), timed_pipeline(tmp_path, 1),
+                   keyed_local_dir=str(tmp_path / "local")).run(["p1"])
+    committed = sorted((tmp_path / "checkpoints").rglob("_metadata"))
+    processing = replace(timed_pipeline(tmp_path, 1), stages=[
+        replace(stage(None), time_mode=TimeMode.PROCESSING_TIME, event_time=None)])
+
+    with pytest.raises(Exception, match=r"keyed stage 'timed': the state's timers were "
+                                        r"written with time_mode EVENT_TIME, the stage now "
+                                        r"has PROCESSING_TIME.*the time_mode it had"):
+        StatefulRunner(spark, storage_of(tmp_path), processing,
+                       keyed_local_dir=str(tmp_path / "local")).run(["p2"])
+    assert committed == sorted((tmp_path / "checkpoints").rglob("_metadata"))
+
+
 def test_the_stage_description_records_timers_and_reads_back_without_them_as_before():
     """``keyed-state/<stage>`` records that the rows carry timers (readers and restores know
     the column); a description written before timers existed reads as a stage without."""

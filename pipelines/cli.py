@@ -160,7 +160,8 @@ def read_command(
     directory POINTER_OR_JOB (or the job directory of the checkpoint named); exit 3 naming the
     retained partition ends when there is none. Prints a table of the first rows
     (20, or --limit) with a footer "N of M rows". --json prints JSON lines (one object per
-    row: times in ISO 8601, decimals as strings, bytes as hex), --csv CSV with a header,
+    row: times in ISO 8601, decimals as strings, bytes as hex), --csv CSV with a header
+    (a list, struct or map column, such as a stage's _timers or variables, as JSON text),
     --parquet PATH writes a Parquet file (never over an existing one); these three give every
     matching row unless --limit is given. --where COLUMN=VALUE keeps rows whose column equals
     VALUE, converted to the column's type (a time without offset is in the column's zone).
@@ -211,7 +212,7 @@ def _read(
             echo(line)
     elif csv_output:
         out = io.BytesIO()
-        pacsv.write_csv(rows, out)
+        pacsv.write_csv(nested_as_json(rows), out)
         echo(out.getvalue().decode().rstrip("\n"))
     elif parquet is not None:
         _write_parquet(rows, location(parquet), options)
@@ -296,6 +297,21 @@ def rows_as_json(table: "pa.Table") -> Iterable[str]:
     """One JSON object per row: times in ISO 8601, decimals as strings, bytes as hex."""
     for row in table.to_pylist():
         yield json.dumps(row, default=_text, ensure_ascii=False)
+
+
+def nested_as_json(table: "pa.Table") -> "pa.Table":
+    """``table`` with each list, struct or map column as JSON text (one value a cell, as
+    ``--json`` writes it), which CSV has no form for; other columns as they are."""
+    import pyarrow as pa
+
+    for index, field in enumerate(table.schema):
+        if pa.types.is_nested(field.type):
+            text = [None if value is None
+                    else json.dumps(value, default=_text, ensure_ascii=False)
+                    for value in table.column(index).to_pylist()]
+            table = table.set_column(index, pa.field(field.name, pa.string()),
+                                     pa.array(text, pa.string()))
+    return table
 
 
 # --- stages ----------------------------------------------------------------------------------

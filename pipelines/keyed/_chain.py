@@ -233,6 +233,7 @@ def encode_keyed_master_state(layout: KeyedStateLayout, clock: dt.datetime | Non
         "clock": None if clock is None else clock.astimezone(dt.UTC).isoformat(),
         # written only with timers: the description of a stage without stays as it was
         **({"timers": True} if layout.timers else {}),
+        **({"time_mode": layout.time_mode} if layout.timers and layout.time_mode else {}),
     }, sort_keys=True).encode()
 
 
@@ -250,7 +251,7 @@ def decode_keyed_master_state(data: bytes, state_schema: pa.Schema, where: str
             TtlTimeCharacteristic(raw["ttl"]["time_characteristic"]),
             raw["ttl"]["timestamp_column"])
         layout = KeyedStateLayout(tuple(raw["key"]), state_schema, int(raw["max_parallelism"]),
-                                  ttl, bool(raw.get("timers", False)))
+                                  ttl, bool(raw.get("timers", False)), raw.get("time_mode"))
         clock = None if raw["clock"] is None else dt.datetime.fromisoformat(raw["clock"])
     except KeyedStateFormatError:
         raise

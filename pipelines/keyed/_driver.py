@@ -224,6 +224,13 @@ class KeyedStageDriver:
                 f"{'a time_mode' if stage.has_timers else 'none'}: its rows "
                 f"{'carry' if layout.timers else 'lack'} the _timers column. Run the stage "
                 "with the time_mode it had, or start it from empty state")
+        if layout.timers and layout.time_mode not in (None, stage.time_mode.value):
+            # the timers are instants on the clock that wrote them: another clock would fire
+            # them at the wrong time
+            raise InvalidCheckpointError(
+                f"{where}: the state's timers were written with time_mode "
+                f"{layout.time_mode.upper()}, the stage now has {stage.time_mode.name}. Run "
+                "the stage with the time_mode it had, or start it from empty state")
         try:
             check_evolution(stored, stage.state_schema, stage.renamed, stage.defaults, where)
         except ValueError as exc:

@@ -45,6 +45,9 @@ class KeyedStateLayout:
     max_parallelism: int = DEFAULT_MAX_PARALLELISM
     ttl: StateTtl | None = None
     timers: bool = False
+    time_mode: str | None = field(default=None, compare=False, hash=False)
+    """Which clock the timers follow (``TimeMode.value``); None: no timers, or a snapshot
+    written before it was recorded."""
     renamed: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     """Old column name -> new, for state files written under an older schema."""
     defaults: Mapping[str, object] = field(default_factory=dict, compare=False, hash=False)
@@ -61,6 +64,7 @@ class KeyedStateLayout:
     @classmethod
     def of(cls, stage: KeyedStage, max_parallelism: int = DEFAULT_MAX_PARALLELISM):
         return cls(stage.key, stage.state_schema, max_parallelism, stage.ttl, stage.has_timers,
+                   None if stage.time_mode is None else stage.time_mode.value,
                    stage.renamed, stage.defaults)
 
     @property

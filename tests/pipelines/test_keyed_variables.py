@@ -9,8 +9,10 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,6 +20,8 @@ from pyspark import cloudpickle
 
 from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from pipelines import (
+    ParquetSink,
+    Source,
     StatefulPipeline,
     StatefulRunner,
     StateTtl,
@@ -582,3 +586,148 @@ def test_variables_and_timers_compose(tmp_path: Path):
         (r["k"], r["timer"], r["n"]) for r in output)
     job.run(keyed_rows([(1, 41)]))
     assert [{1: 1}, []] == seen[-2:]  # the count kept, the list cleared by on_timer
+
+
+# --- with timers, on Spark -----------------------------------------------------------------
+
+TIMED_EVENTS = {  # per partition, per batch: (key, minutes)
+    "p1": [[(1, 0), (2, 5)], [(3, 40)]],
+    "p2": [[(1, 41)], [(4, 100)]],
+}
+
+
+class TimedKeys(Source):
+    """``TIMED_EVENTS`` as DataFrames: the same batch always has the same rows."""
+
+    def batches(self, spark, partition):
+        return [f"{partition}-{i}" for i in range(len(TIMED_EVENTS[partition]))]
+
+    def read(self, spark, partition, batch):
+        part, index = batch.rsplit("-", 1)
+        return spark.createDataFrame(keyed_rows(TIMED_EVENTS[part][int(index)]).to_pandas(),
+                                     "k long, ts timestamp")
+
+
+def count_and_remember(input, state) -> StateChanges:
+    """Counts each key's rows (a value), appends their times (a list) and registers a timer
+    30 minutes after each row."""
+    counts = input.group_by("k").aggregate([([], "count_all")]).join(
+        state.value("count"), "k", join_type="left outer")
+    counts = pa.table({"k": counts.column("k"), "n": pc.add(
+        counts.column("count_all"), pc.fill_null(counts.column("n"), 0))})
+    timers = pa.table({"k": input.column("k"), "timer": pc.add(
+        input.column("ts"), pa.scalar(dt.timedelta(minutes=30)))})
+    return StateChanges(output=TIMED.empty_table(), values={"count": counts},
+                        appends={"times": input.select(["k", "ts"])}, timers=timers)
+
+
+def emit_count_and_clear(fired, state) -> StateChanges:
+    emitted = fired.join(state.value("count"), "k", join_type="left outer")
+    return StateChanges(output=emitted.select(["k", "timer", "n"]),
+                        cleared_lists={"times": fired.select(["k"]).group_by("k").aggregate([])})
+
+
+def timed_variables_pipeline(tmp_path: Path, parallelism: int) -> StatefulPipeline:
+    stage = KeyedStage.with_variables(
+        "timed", pa.schema([pa.field("k", pa.int64(), nullable=False)]),
+        [ValueState("count", pa.schema([("n", pa.int64())])),
+         ListState("times", pa.schema([("ts", UTC)]))],
+        count_and_remember, output_schema=TIMED, event_time="ts",
+        time_mode=TimeMode.EVENT_TIME, on_timer=emit_count_and_clear)
+    return StatefulPipeline(
+        name="timed_variables", stages=[stage], source=TimedKeys(),
+        partitions=dg.StaticPartitionsDefinition(["p1", "p2"]), checkpoint_interval=1,
+        max_parallelism=8, keyed_parallelism=parallelism,
+        sinks=[ParquetSink(name="fired", stage="timed", of="output",
+                           url=str(tmp_path / "fired"))])
+
+
+@pytest.mark.timeout(600)
+def test_variables_with_an_event_time_timer_run_and_restore_on_spark(spark, tmp_path: Path):
+    """Through the runner: p1 on 2 ranges, then a new runner restores its checkpoint and runs
+    p2 on 3 ranges. A timer fires once the clock (the newest event time) reaches it, emits the
+    key's count and clears its list: the sink, the variables and the pending timers read back
+    equal a model worked out by hand (each fired timer once, none early)."""
+    for partition, parallelism in (("p1", 2), ("p2", 3)):
+        runner = StatefulRunner(spark, storage_of(tmp_path),
+                                timed_variables_pipeline(tmp_path, parallelism),
+                                keyed_local_dir=str(tmp_path / "local"))
+        runner.run([partition])
+    pointer = runner.store.latest().external_pointer
+    fired = pa.concat_tables([pq.read_table(path) for path in sorted(
+        (tmp_path / "fired").rglob("*.parquet"))])
+    physical = read_state(pointer, "timed")
+
+    assert (
+        # p1: the clock reaches 40, k1's (30) and k2's (35) fire; p2: 100, k3's and k1's
+        [(1, t(30), 1), (1, t(71), 2), (2, t(35), 1), (3, t(70), 1)],
+        {1: 2, 2: 1, 3: 1, 4: 1},
+        [(4, t(100))],  # the other keys' lists cleared by their timers
+        {4: [t(130)]},  # pending
+    ) == (
+        sorted((r["k"], r["timer"], r["n"]) for r in fired.to_pylist()),
+        {r["k"]: r["n"] for r in read_state(pointer, "timed", variable="count").to_pylist()},
+        sorted((r["k"], r["ts"]) for r in read_state(
+            pointer, "timed", variable="times").to_pylist()),
+        {k: v for k, v in zip(physical.column("k").to_pylist(),
+                              physical.column("_timers").to_pylist(), strict=True) if v},
+    )
+
+
+SEEN = pa.schema([("k", pa.int64()), ("recent", pa.int64()), ("kept", pa.int64())])
+
+
+def count_what_is_left(input, state) -> StateChanges:
+    """Emits, per key in the batch, how many entries of each list it sees, then appends."""
+    keys = input.group_by("k").aggregate([])
+    for name in ("recent", "kept"):
+        left = state.list(name).group_by("k").aggregate([([], "count_all")])
+        keys = keys.join(left, "k", join_type="left outer").rename_columns(
+            [*keys.column_names, name])
+    output = pa.table({"k": keys.column("k"),
+                       **{n: pc.fill_null(keys.column(n), 0) for n in ("recent", "kept")}})
+    rows = input.select(["k", "ts"])
+    return StateChanges(output=output.cast(SEEN), appends={"recent": rows, "kept": rows})
+
+
+def ttl_variables_pipeline(tmp_path: Path) -> StatefulPipeline:
+    def written(ttl: dt.timedelta) -> StateTtl:
+        return StateTtl(ttl, TtlTimeCharacteristic.PROCESSING_TIME)
+
+    stage = KeyedStage.with_variables(
+        "ttl", pa.schema([pa.field("k", pa.int64(), nullable=False)]),
+        [ListState("recent", pa.schema([("ts", UTC)]),
+                   ttl=written(dt.timedelta(microseconds=1))),
+         ListState("kept", pa.schema([("ts", UTC)]), ttl=written(dt.timedelta(days=1)))],
+        count_what_is_left, output_schema=SEEN)
+    return StatefulPipeline(
+        name="ttl_variables", stages=[stage], source=TimedKeys(),
+        partitions=dg.StaticPartitionsDefinition(["p1", "p2"]), checkpoint_interval=1,
+        max_parallelism=8, keyed_parallelism=2,
+        sinks=[ParquetSink(name="seen", stage="ttl", of="output", url=str(tmp_path / "seen"))])
+
+
+@pytest.mark.timeout(600)
+def test_processing_time_ttl_variables_expire_by_the_write_time_on_spark(spark, tmp_path):
+    """Through the runner, p1 then (a new runner, restored) p2: a list whose entries live
+    1 us is empty in every later batch (each batch is a Spark job, far longer than that),
+    one whose entries live a day holds every earlier row; read back, the expired list is
+    empty and the other holds all rows (the write times survive the restore)."""
+    for partition in ("p1", "p2"):
+        runner = StatefulRunner(spark, storage_of(tmp_path), ttl_variables_pipeline(tmp_path),
+                                keyed_local_dir=str(tmp_path / "local"))
+        runner.run([partition])
+    pointer = runner.store.latest().external_pointer
+    seen = pa.concat_tables([pq.read_table(path) for path in sorted(
+        (tmp_path / "seen").rglob("*.parquet"))])
+
+    assert (
+        [(1, 0, 0), (1, 0, 1), (2, 0, 0), (3, 0, 0), (4, 0, 0)],
+        [],
+        [(1, t(0)), (1, t(41)), (2, t(5)), (3, t(40)), (4, t(100))],
+    ) == (
+        sorted((r["k"], r["recent"], r["kept"]) for r in seen.to_pylist()),
+        read_state(pointer, "ttl", variable="recent").to_pylist(),
+        sorted((r["k"], r["ts"]) for r in read_state(
+            pointer, "ttl", variable="kept").to_pylist()),
+    )

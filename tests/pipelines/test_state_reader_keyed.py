@@ -360,3 +360,30 @@ def test_without_a_ttl_no_row_is_hidden(tmp_path):
 
     assert model == as_model(read_state(written.pointer, STAGE))
 
+
+
+def test_csv_export_writes_nested_columns_as_json_text():
+    """``checkpoints read --csv``: list, struct and map columns (timers, variables) become
+    the JSON text ``--json`` writes for them, nulls stay empty; other columns are kept."""
+    import io
+
+    import pyarrow.csv as pacsv
+
+    from pipelines.cli import nested_as_json
+
+    when = dt.datetime(2026, 11, 1, 8, 30, tzinfo=dt.UTC)
+    table = pa.table({
+        "k": pa.array([1, 2], pa.int64()),
+        "_timers": pa.array([[when], None], pa.list_(pa.timestamp("us", "UTC"))),
+        "totals": pa.array([{"orders": 2, "total": 3.5}, None],
+                           pa.struct([("orders", pa.int64()), ("total", pa.float64())])),
+        "buckets": pa.array([[("a", 1)], []], pa.map_(pa.string(), pa.int64())),
+    })
+    out = io.BytesIO()
+    pacsv.write_csv(nested_as_json(table), out)
+    assert [
+        {"k": 1, "_timers": '["2026-11-01T08:30:00+00:00"]',
+         "totals": '{"orders": 2, "total": 3.5}', "buckets": '[["a", 1]]'},
+        {"k": 2, "_timers": None, "totals": None, "buckets": "[]"},
+    ] == pacsv.read_csv(io.BytesIO(out.getvalue()), convert_options=pacsv.ConvertOptions(
+        strings_can_be_null=True)).to_pylist()

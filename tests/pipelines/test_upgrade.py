@@ -374,6 +374,28 @@ def test_initial_state_bootstraps_the_first_run_as_running_from_the_table(spark,
         for r in states_of(runner_of(spark, tmp_path, pipeline))["totals"]}
 
 
+def test_a_stage_added_since_the_snapshot_starts_from_its_initial_state(spark, tmp_path,
+                                                                        v1_savepoint):
+    """v1's savepoint (after p1) restored into v1 plus a keyed stage ``recount``, added since,
+    with an initial state (p2 and p3's totals): recount starts from it, totals from the
+    savepoint (its initial state given too is ignored: the snapshot holds totals)."""
+    pipeline = StatefulPipeline(
+        name="shop", source=Orders(), partitions=PARTITIONS, max_parallelism=8,
+        keyed_parallelism=2,
+        stages=[*v1().stages,
+                KeyedStage("recount", "customer", TOTALS_V1, totals_v1, input="source")],
+        initial_state={"recount": _totals_frame(spark, v1_totals(["p2", "p3"])),
+                       "totals": _totals_frame(spark, {"nobody": (1, 1)})})
+    runner = runner_of(spark, tmp_path, pipeline)
+
+    runner.run(["p2"], restore_from=v1_savepoint)
+
+    states = states_of(runner)
+    assert (v1_totals(["p1", "p2"]), v1_totals(["p2", "p3", "p2"])) == tuple(
+        {r["customer"]: (r["orders"], r["total"]) for r in states[name]}
+        for name in ("totals", "recount"))
+
+
 def test_an_initial_state_with_a_key_twice_is_refused_naming_it(spark, tmp_path):
     """Two rows of key c1: refused naming the stage and the key; nothing committed."""
     rows = spark.createDataFrame([("c1", 1, 5), ("c2", 1, 6), ("c1", 2, 7)],

@@ -1,6 +1,7 @@
 """``SparkResource``: a lazily created SparkSession for Dagster assets."""
 
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -52,13 +53,18 @@ class _Start(threading.Thread):
         self.args = (master, app_name, dict(conf))
         self.session: SparkSession | None = None
         self.existed = False
+        self.setups: list = []  # those run on the session; the resource runs later ones
 
     def run(self) -> None:
+        # Ctrl-C is the main thread's (pipelines.main takes it with sigtimedwait, blocked in
+        # every other thread): never delivered to this one.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.existed = SparkSession.getActiveSession() is not None
             session = build_spark_session(*self.args)
-            for setup in SESSION_SETUPS:
+            for setup in list(SESSION_SETUPS):
                 setup(session)
+                self.setups.append(setup)
             self.session = session
         except Exception:  # noqa: BLE001
             # Raised where the session is asked for: the resource builds it again there, in
@@ -115,11 +121,13 @@ class SparkResource(ConfigurableResource):
         if self._session is None:
             start = _take_start(self.master, self.app_name, self.conf)
             if start is not None and start.session is not None:
-                session, existed = start.session, start.existed
+                session, existed, done = start.session, start.existed, start.setups
             else:
                 existed = SparkSession.getActiveSession() is not None
                 session = build_spark_session(self.master, self.app_name, self.conf)
-                for setup in SESSION_SETUPS:
+                done = []
+            for setup in SESSION_SETUPS:  # with a started session: those added meanwhile
+                if setup not in done:
                     setup(session)
             self._session = session
             self._started_here = not existed

@@ -17,11 +17,15 @@ _CHILD = textwrap.dedent("""
     conf = {"spark.ui.enabled": "false"}
     resource = SparkResource(master="local[1]", app_name="started", conf=conf)
     resource.start()  # returns at once; the session is built in a thread
+    # a setup added meanwhile (pipelines.main's Ctrl-C watcher) still runs on the session
+    from resources import on_session_created
+    seen = []
+    on_session_created(seen.append)
     # another resource of the same settings (Dagster's copy in a run) takes that session
     taken = SparkResource(master="local[1]", app_name="started", conf=conf)
     session = taken.session
     print("taken", [t.name for t in threading.enumerate() if t.name == "spark-session-start"],
-          session.range(3).count(), flush=True)
+          session.range(3).count(), seen == [session], flush=True)
     taken.teardown_after_execution(None)  # stopped as the resource's own
     print("stopped", SparkContext._active_spark_context is None, flush=True)
 
@@ -41,5 +45,5 @@ def test_a_session_started_in_the_background_is_handed_out_and_stopped_as_its_ow
                           timeout=280)
     lines = [ln for ln in done.stdout.splitlines()
              if ln.startswith(("taken", "stopped", "raised"))]
-    assert ["taken [] 3", "stopped True", "raised True"] == lines, (
+    assert ["taken [] 3 True", "stopped True", "raised True"] == lines, (
         done.stdout[-2000:] + done.stderr[-2000:])

@@ -107,7 +107,7 @@ class SparkResource(ConfigurableResource):
     def start(self) -> None:
         """Start creating the session in a background thread and return at once, so that
         the JVM starts while the caller goes on (a ``scripts/run`` process: Dagster's
-        instance, run setup and the landing step, about a second of a cold run). A resource
+        instance, run setup and the landing step). A resource
         of the same settings hands that session out when first asked (waiting for it if
         needed), and stops it at teardown as it would its own. A failure is raised there,
         not here."""

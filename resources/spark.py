@@ -1,7 +1,9 @@
 """``SparkResource``: a lazily created SparkSession for Dagster assets."""
 
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from dagster import ConfigurableResource, InitResourceContext
@@ -43,6 +45,48 @@ def build_spark_session(
     return builder.getOrCreate()
 
 
+class _Start(threading.Thread):
+    """A session built (and set up as a ``SparkResource`` sets it up) in the background."""
+
+    def __init__(self, master: str, app_name: str, conf: dict) -> None:
+        super().__init__(name="spark-session-start", daemon=True)
+        self.args = (master, app_name, dict(conf))
+        self.session: SparkSession | None = None
+        self.existed = False
+        self.setups: list = []  # those run on the session; the resource runs later ones
+
+    def run(self) -> None:
+        # Ctrl-C is the main thread's (pipelines.main takes it with sigtimedwait, blocked in
+        # every other thread): never delivered to this one.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.existed = SparkSession.getActiveSession() is not None
+            session = build_spark_session(*self.args)
+            for setup in list(SESSION_SETUPS):
+                setup(session)
+                self.setups.append(setup)
+            self.session = session
+        except Exception:  # noqa: BLE001
+            # Raised where the session is asked for: the resource builds it again there, in
+            # the caller's thread, and that attempt fails with the same error.
+            self.session = None
+
+
+_STARTS: list[_Start] = []
+_STARTS_LOCK = threading.Lock()
+
+
+def _take_start(master: str, app_name: str, conf: dict) -> _Start | None:
+    """The background start of a session of these settings, waited for (None: none)."""
+    with _STARTS_LOCK:
+        start = next((s for s in _STARTS if s.args == (master, app_name, dict(conf))), None)
+        if start is not None:
+            _STARTS.remove(start)
+    if start is not None:
+        start.join()
+    return start
+
+
 class SparkResource(ConfigurableResource):
     """A SparkSession, created on first use and stopped at teardown (only if this resource
     started it: a session that already existed, e.g. a test's, is left running).
@@ -60,13 +104,31 @@ class SparkResource(ConfigurableResource):
     _session: SparkSession | None = PrivateAttr(default=None)
     _started_here: bool = PrivateAttr(default=False)
 
+    def start(self) -> None:
+        """Start creating the session in a background thread and return at once, so that
+        the JVM starts while the caller goes on (a ``scripts/run`` process: Dagster's
+        instance, run setup and the landing step). A resource
+        of the same settings hands that session out when first asked (waiting for it if
+        needed), and stops it at teardown as it would its own. A failure is raised there,
+        not here."""
+        start = _Start(self.master, self.app_name, self.conf)
+        with _STARTS_LOCK:
+            _STARTS.append(start)
+        start.start()
+
     @property
     def session(self) -> SparkSession:
         if self._session is None:
-            existed = SparkSession.getActiveSession() is not None
-            session = build_spark_session(self.master, self.app_name, self.conf)
-            for setup in SESSION_SETUPS:
-                setup(session)
+            start = _take_start(self.master, self.app_name, self.conf)
+            if start is not None and start.session is not None:
+                session, existed, done = start.session, start.existed, start.setups
+            else:
+                existed = SparkSession.getActiveSession() is not None
+                session = build_spark_session(self.master, self.app_name, self.conf)
+                done = []
+            for setup in SESSION_SETUPS:  # with a started session: those added meanwhile
+                if setup not in done:
+                    setup(session)
             self._session = session
             self._started_here = not existed
         return self._session

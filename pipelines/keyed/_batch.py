@@ -3,8 +3,9 @@ full snapshot of ranges, and reading the whole state; and the driver's bookkeepi
 chains (``extend_chains``, ``FullSnapshotPolicy``) (docs/design.md, "Keyed state", 7.5).
 """
 
+import contextlib
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 
@@ -119,6 +120,25 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
     return [results[i] for i in sorted(results)]
 
 
+_ADAPTIVE = "spark.sql.adaptive.enabled"
+
+
+@contextlib.contextmanager
+def _one_job_per_pass(spark: SparkSession) -> Iterator[None]:
+    """Plan and run a keyed batch's pass without adaptive execution: with it, the pass is
+    three Spark jobs (the routing shuffle's map stage, the persisted ranges, the collect),
+    each a scheduling round trip that a small batch pays in full; without it, one job of
+    two stages. Adaptive execution has nothing to adapt here: ``repartition(n, column)``
+    is never coalesced, and the ranges' tasks have no join or aggregate. The setting is
+    the session's, restored at once; the runner plans one batch at a time."""
+    previous = spark.conf.get(_ADAPTIVE)
+    spark.conf.set(_ADAPTIVE, "false")
+    try:
+        yield
+    finally:
+        spark.conf.set(_ADAPTIVE, previous)
+
+
 def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     """Run one batch of a keyed stage: route rows to their range by key group, run the stage
     once per range that has rows (after late rows are dropped; one Spark task per range),
@@ -161,14 +181,16 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
                               routed_type)
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive
     # execution, and each range's route hashes to its own partition.
-    cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
-        partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
-    ).persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
-    except BaseException:
-        cached.unpersist()
-        raise
+    with _one_job_per_pass(input.sparkSession):
+        # the persisted plan is made here, so the later reads of the output use it too
+        cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
+            partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
+        ).persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
+        except BaseException:
+            cached.unpersist()
+            raise
     target = _spark_arrow_schema(task.output_schema)
     output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
         partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))

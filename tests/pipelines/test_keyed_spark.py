@@ -376,6 +376,33 @@ def test_the_event_time_clock_costs_no_spark_job_of_its_own(spark, tmp_path):
     assert jobs[0] > 0
 
 
+def fail_in_the_task(input: pa.Table, state: pa.Table) -> KeyedResult:
+    raise RuntimeError("the stage fails")
+
+
+def test_a_keyed_batch_is_one_spark_job_and_leaves_the_session_as_it_was(spark, job):
+    """A batch's pass (route, shuffle, run the ranges, persist, collect the handles) is one
+    Spark job, not one per stage of adaptive execution (a small batch pays each job's round
+    trip); the output is read from it without another pass of the ranges; the session's
+    adaptive setting is back as it was, also after a failed batch."""
+    before = spark.conf.get("spark.sql.adaptive.enabled")
+    frame = spark.createDataFrame([(u,) for u in BATCHES[0]], "user string")
+    spark.sparkContext.setJobGroup("one-pass", "one-pass")
+    try:
+        result = apply_keyed_batch(frame, job.task(0))
+        passes = len(spark.sparkContext.statusTracker().getJobIdsForGroup("one-pass"))
+        output = sorted((r["user"], r["clicks"]) for r in result.output.collect())
+        result.release()
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert (1, expected(1)[1][0]) == (passes, output)
+    assert before == spark.conf.get("spark.sql.adaptive.enabled")
+    failing = replace(job.task(1), stage=replace(STAGE, apply=fail_in_the_task))
+    with pytest.raises(Exception, match="the stage fails"):
+        apply_keyed_batch(frame, failing)
+    assert before == spark.conf.get("spark.sql.adaptive.enabled")
+
+
 def test_an_event_time_column_that_is_not_a_timestamp_is_refused(spark, job):
     """An event-time column of another type is refused, naming the stage and the column."""
     frame = spark.createDataFrame([("ann", "2026-03-10")], "user string, ts string")

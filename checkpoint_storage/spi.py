@@ -118,6 +118,7 @@ from checkpoint_storage._master_states import (
     STATE_FORMAT_PREFIX,
     STATE_SCHEMA_PREFIX,
     STATISTICS_STATE,
+    json_object_state,
 )
 from checkpoint_storage._metadata import (
     CheckpointProperties,
@@ -200,6 +201,7 @@ __all__ = [
     "STATE_FORMAT_PREFIX",
     "STATE_SCHEMA_PREFIX",
     "STATISTICS_STATE",
+    "json_object_state",
     # checkpoint statistics
     "checkpoint_statistics",
     "compute_checkpoint_statistics",

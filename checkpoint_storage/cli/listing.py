@@ -16,7 +16,6 @@ from checkpoint_storage import (
     latest_checkpoint,
     list_checkpoints_below,
 )
-from checkpoint_storage._master_states import json_object_state
 from checkpoint_storage.cli.flink import RemapOption, flink_list, remap_pairs
 from checkpoint_storage.cli.helpers import (
     EPILOG,
@@ -39,6 +38,7 @@ from checkpoint_storage.cli.helpers import (
     run_command,
     storage_options,
 )
+from checkpoint_storage.spi import json_object_state
 
 __all__ = ["describe_position", "files_label", "latest_command", "list_command", "register"]
 

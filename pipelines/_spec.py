@@ -278,6 +278,15 @@ class StatefulPipeline:
                     f"neither {SOURCE!r} nor an earlier stage ({seen or 'none'})"
                 )
             seen.append(stage.name)
+        late_names: list[str] = []
+        for stage in self.keyed_stages:
+            late = stage.watermark.late_rows if stage.watermark is not None else None
+            if late is not None and (late in seen or late in late_names):
+                raise ValueError(
+                    f"pipeline {self.name}: stage {stage.name!r} sends its late rows to "
+                    f"{late!r}, which already names a stage or another stage's late rows; "
+                    "give Watermark(late_rows=...) a name of its own")
+            late_names += [late] if late is not None else []
         if not isinstance(self.initial_state, Mapping):
             raise TypeError(f"pipeline {self.name}: initial_state must map stage names to a "
                             "DataFrame, a table name or a function spark -> DataFrame")
@@ -289,15 +298,22 @@ class StatefulPipeline:
                 raise TypeError(f"pipeline {self.name}: initial_state of {stage_name!r} must be "
                                 "a DataFrame, a table name or a function spark -> DataFrame, "
                                 f"got {type(rows).__name__}")
+        late_outputs = self.late_outputs
         sink_names = set()
         for sink in self.sinks:
             if not isinstance(sink, Sink):
                 raise TypeError(f"pipeline {self.name}: {sink!r} is not a pipelines.Sink")
-            if sink.stage not in seen:
+            if sink.stage not in seen and sink.stage not in late_outputs:
                 raise ValueError(
                     f"pipeline {self.name}: sink {sink.name!r} writes stage {sink.stage!r}, "
                     f"which is not one of its stages {seen}"
+                    + (f" nor late-rows outputs {sorted(late_outputs)}" if late_outputs else "")
                 )
+            if sink.stage in late_outputs and sink.of != "output":
+                raise ValueError(
+                    f"pipeline {self.name}: sink {sink.name!r} writes the late rows "
+                    f"{sink.stage!r} of stage {late_outputs[sink.stage]!r}, which have no "
+                    "state: use of='output'")
             if sink.name in sink_names:
                 raise ValueError(f"pipeline {self.name}: two sinks are called {sink.name!r}")
             sink_names.add(sink.name)
@@ -309,6 +325,13 @@ class StatefulPipeline:
         if stage.input is not None:
             return stage.input
         return SOURCE if index == 0 else self.stages[index - 1].name
+
+    @property
+    def late_outputs(self) -> dict[str, str]:
+        """The late-rows outputs (``Watermark(late_rows=...)``): their names -> the stage
+        whose late rows they are. A sink writes one as it writes a stage's output."""
+        return {s.watermark.late_rows: s.name for s in self.keyed_stages
+                if s.watermark is not None and s.watermark.late_rows is not None}
 
     @property
     def keyed_stages(self) -> tuple[KeyedStage, ...]:

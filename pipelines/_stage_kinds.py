@@ -68,13 +68,16 @@ PendingLocation = Callable[[], tuple[int, CheckpointStorageLocation]]
 class StageBatch:
     """What applying one batch to a stage gave: its ``output`` (pinned until the runner
     unpersists it), its output rows, the input rows it counted in the same pass (None: it did
-    not count them), progress notes, and ``release`` to call once the output is consumed."""
+    not count them), progress notes, ``release`` to call once the output is consumed, and
+    its named outputs besides ``output`` (a keyed stage's late rows, under
+    ``Watermark.late_rows``), which sinks write as they write ``output``."""
 
     output: DataFrame
     output_rows: int
     input_rows: int | None = None
     notes: list[str] = field(default_factory=list)
     release: Callable[[], None] = lambda: None
+    named_outputs: dict[str, DataFrame] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -335,12 +338,15 @@ class KeyedStageKind(StageKind):
                                           location.location_reference, batch)
         # Read from the batch's persisted pass by each consumer, released by the runner.
         notes = _rebuild_notes(self.stage.name, result.ranges)
+        late_output = self.stage.watermark.late_rows if self.stage.watermark else None
         if result.late_rows:
-            notes.append(f"{self.stage.name}: {result.late_rows} late row(s) dropped")
+            notes.append(f"{self.stage.name}: {result.late_rows} late row(s) "
+                         + (f"sent to {late_output}" if late_output else "dropped"))
         if result.fired_timers:
             notes.append(f"{self.stage.name}: {result.fired_timers} timer(s) fired")
         return state, StageBatch(result.output, result.output_rows, result.input_rows,
-                                 notes, result.release)
+                                 notes, result.release,
+                                 {late_output: result.late} if late_output else {})
 
     def snapshot(self, state: KeyedStageState, checkpoint_id: int,
                  location: CheckpointStorageLocation, *, savepoint: bool) -> StageSnapshot:

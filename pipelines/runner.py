@@ -547,6 +547,7 @@ class StatefulRunner:
             if number == self._counting_source_reader:
                 count = result.input_rows
             outputs[stage.name] = result.output
+            outputs.update(result.named_outputs)
         for sink in self.pipeline.sinks:
             if sink.of == "output":
                 sink.write(self.spark, outputs[sink.stage], partition, index)

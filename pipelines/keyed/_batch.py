@@ -38,6 +38,7 @@ from pipelines.keyed._task import (
     _CHANGE,
     _EPOCH,
     _HANDLE_KIND,
+    _LATE,
     _NO_LOCAL_STORE,
     _OUTPUT,
     _RESULT_SCHEMA,
@@ -72,6 +73,9 @@ class KeyedBatch:
     newest: dt.datetime | None = None
     late_rows: int = 0
     """Input rows dropped as late (behind the watermark, or the clock minus the ttl)."""
+    late: DataFrame | None = None
+    """With ``Watermark(late_rows=...)``: the late rows, in the input's schema, read from
+    ``cached`` (None: the stage has no late-rows output)."""
 
     @property
     def fired_timers(self) -> int:
@@ -187,14 +191,22 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
             partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
         ).persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            handles = cached.filter(F.col("row_kind") != _OUTPUT).drop("payload").collect()
+            handles = cached.filter(~F.col("row_kind").isin(_OUTPUT, _LATE)).drop(
+                "payload").collect()
         except BaseException:
             cached.unpersist()
             raise
     target = _spark_arrow_schema(task.output_schema)
     output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
         partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
-    return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles))
+    late = None
+    watermark = task.stage.watermark
+    if watermark is not None and watermark.late_rows:
+        late = cached.filter(F.col("row_kind") == _LATE).select("payload").mapInArrow(
+            partial(_decode_output, to_arrow_schema(input.schema, timezone="UTC")),
+            input.schema)
+    return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles),
+                      late=late)
 
 
 def extend_chains(chains: Sequence[KeyedStateChain],

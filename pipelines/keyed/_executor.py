@@ -46,6 +46,7 @@ from pipelines.keyed._task import (
     _CHANGE,
     _EPOCH,
     _FULL_SNAPSHOT,
+    _LATE,
     _NO_LOCAL_STORE,
     _OUTPUT,
     _OUTPUT_ROWS_PER_PAYLOAD,
@@ -106,8 +107,13 @@ def _run_partition(task: KeyedStageTask,
         if late is not None:
             on_time = pc.greater_equal(_micros(table.column(stage.event_time)),
                                        (late - _EPOCH) // dt.timedelta(microseconds=1))
-            # a row without an event time is dropped too, as before watermarks
+            # a row without an event time is late too, as before watermarks
+            on_time = pc.fill_null(on_time, False)
             late_rows = table.num_rows - (pc.sum(on_time).as_py() or 0)
+            if late_rows and stage.watermark is not None and stage.watermark.late_rows:
+                late_table = table.filter(pc.invert(on_time)).drop_columns(
+                    [OPERATOR_INDEX, _ROUTE, _ROWS, _NEWEST])
+                yield from _payload_rows(_LATE, partition, attempt, late_table).to_batches()
             table = table.filter(on_time)
         if (stage.ttl is not None
                 and stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
@@ -204,15 +210,24 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
         _spark_arrow_schema(task.output_schema).empty_table()
     stats["output_rows"] = output.num_rows
     stats["fired_timers"] = fired_timers
-    rows = [_handle_row(_CHANGE, operator_index, attempt, change,
-                        upserts.num_rows + deletes.num_rows, stats)]
-    for batch in output.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
+    handle = pa.Table.from_pylist([_handle_row(_CHANGE, operator_index, attempt, change,
+                                               upserts.num_rows + deletes.num_rows, stats)],
+                                  schema=_RESULT_SCHEMA)
+    return pa.concat_tables([handle, _payload_rows(_OUTPUT, operator_index, attempt, output)])
+
+
+def _payload_rows(row_kind: str, operator_index: int, attempt: int,
+                  rows: pa.Table) -> pa.Table:
+    """Result rows of kind ``row_kind`` carrying ``rows`` as Arrow IPC streams (a payload
+    per ``_OUTPUT_ROWS_PER_PAYLOAD`` rows), for ``_decode_output``."""
+    payloads = []
+    for batch in rows.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD):
         sink = pa.BufferOutputStream()
-        with ipc.new_stream(sink, output.schema) as writer:
+        with ipc.new_stream(sink, rows.schema) as writer:
             writer.write_batch(batch)
-        rows.append({"row_kind": _OUTPUT, "operator_index": operator_index,
-                     "attempt": attempt, "payload": sink.getvalue().to_pybytes()})
-    return pa.Table.from_pylist(rows, schema=_RESULT_SCHEMA)
+        payloads.append({"row_kind": row_kind, "operator_index": operator_index,
+                         "attempt": attempt, "payload": sink.getvalue().to_pybytes()})
+    return pa.Table.from_pylist(payloads, schema=_RESULT_SCHEMA)
 
 
 def _due_rows(store, stage, changes: tuple[pa.Table, pa.Table], cutoff: dt.datetime | None,

@@ -70,7 +70,10 @@ class Watermark:
     dropped before ``apply`` and counted (the batch's ``late_rows``); a row exactly at the
     watermark is on time. Event-time timers fire when ``timer <= watermark``.
 
-    ``late_rows``: reserved for a late-rows output; only None (drop and count) is supported.
+    ``late_rows``: None drops the late rows (counted); a name (letters, digits and '_',
+    starting with a letter; not a stage's name) sends them, still counted, to a second
+    output of the stage under that name, in the stage's input schema, which a ``Sink``
+    with ``stage=<name>`` writes per partition and batch like any output.
     """
 
     allowed_lateness: dt.timedelta = dt.timedelta(0)
@@ -81,12 +84,11 @@ class Watermark:
                 or self.allowed_lateness < dt.timedelta(0)):
             raise ValueError("Watermark: allowed_lateness must be a datetime.timedelta >= 0, "
                              f"got {self.allowed_lateness!r}")
-        if self.late_rows is not None:
-            # TODO(issue 27): a late-rows output a sink can consume; the pipeline spec has one
-            # output per stage today.
-            raise ValueError("Watermark: late_rows outputs are not supported yet; leave it "
-                             "None (late rows are dropped and counted in the batch's "
-                             "late_rows)")
+        if self.late_rows is not None and (not isinstance(self.late_rows, str)
+                                           or not _STAGE_NAME.fullmatch(self.late_rows)):
+            raise ValueError("Watermark: late_rows names the late rows' output (a sink's "
+                             "stage=): use letters, digits and '_', starting with a letter; "
+                             f"or None to drop them; got {self.late_rows!r}")
 
     def of(self, clock: dt.datetime) -> dt.datetime:
         """The watermark when the newest event time seen is ``clock``."""

@@ -46,13 +46,14 @@ _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 _OUTPUT = "output"
+_LATE = "late"  # a payload of input rows the watermark dropped (Watermark.late_rows)
 _CHANGE = "change"
 _FULL_SNAPSHOT = "full_snapshot"
 _SUMMARY = "summary"
 _NO_LOCAL_STORE = "no_local_store"  # a range whose local store does not hold its chain
 _OUTPUT_ROWS_PER_PAYLOAD = 1 << 16
 _RESULT_SCHEMA = pa.schema([
-    # "output" (payload), "change"/"full_snapshot" (handle) or "summary" (the batch's
+    # "output" or "late" (payload), "change"/"full_snapshot" (handle) or "summary" (the batch's
     # rows and newest event time, as a range's task saw them)
     ("row_kind", pa.string()),
     ("operator_index", pa.int32()),

@@ -433,11 +433,12 @@ def test_stages_with_timers_or_a_watermark_are_checked(options, says):
 
 
 def test_watermark_arguments_are_checked():
-    """A negative lateness is refused; a late-rows output is not built yet and says so."""
+    """A negative lateness is refused; a late-rows output must be named as a stage is."""
     with pytest.raises(ValueError, match="allowed_lateness"):
         Watermark(dt.timedelta(minutes=-1))
-    with pytest.raises(ValueError, match="not supported yet"):
-        Watermark(late_rows="late")
+    with pytest.raises(ValueError, match="late_rows names"):
+        Watermark(late_rows="")
+    assert Watermark(late_rows="late").late_rows == "late"
 
 
 @pytest.mark.parametrize(("timers", "says"), [

@@ -51,7 +51,22 @@ from pipelines.keyed._local_stores import DEFAULT_LOCAL_STORE_MAX_AGE
 from pipelines.keyed._stage import KeyedResult, KeyedStage, TimeMode, TtlTimeCharacteristic
 from pipelines.keyed._task import _EPOCH, KeyedRangeResult, KeyedStageTask, _newer
 
-__all__ = ["KeyedStageDriver", "KeyedStageState"]
+__all__ = ["KeyedStageDriver", "KeyedStageState", "loader_stage"]
+
+
+def loader_stage(stage: KeyedStage) -> KeyedStage:
+    """``stage`` as the pass that loads its initial state: ``apply`` upserts the rows as they
+    are; the rows' clock is the event-time TTL's timestamp column (else none); no watermark
+    (the rows are state, not input: none is late). A stage with timers keeps a
+    ``time_mode`` so that the rows carry the ``_timers`` column, processing time because the
+    rows have no event time; loaded rows hold no timers, so none fires."""
+    ttl = stage.ttl
+    event_time = (ttl.timestamp_column if ttl is not None
+                  and ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME else None)
+    return replace(
+        stage, apply=_LoadRows(stage.name, stage.key, stage.state_schema.names),
+        output_schema=stage.state_schema, event_time=event_time, watermark=None,
+        time_mode=None if stage.time_mode is None else TimeMode.PROCESSING_TIME)
 
 
 @dataclass(frozen=True)
@@ -319,12 +334,7 @@ class KeyedStageDriver:
                              f"missing; the state schema has {stage.state_schema.names}, the "
                              f"rows {rows.columns}")
         rows = rows.select(*stage.state_schema.names)
-        ttl = stage.ttl
-        loader = replace(
-            stage, apply=_LoadRows(stage.name, stage.key, stage.state_schema.names),
-            output_schema=stage.state_schema, event_time=(ttl.timestamp_column if ttl is not None
-                        and ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
-                        else None))
+        loader = loader_stage(stage)
         loaded, result = self.apply(replace(state, stage=loader), rows, checkpoint_id,
                                     reference, 0)
         result.release()

@@ -588,3 +588,23 @@ def test_the_stage_description_records_timers_and_reads_back_without_them_as_bef
                for layout in (with_timers, plain)]
     assert ([True, False], [T0, T0], b"timers" in encode_keyed_master_state(plain, T0)) == (
         [d[0].timers for d in decoded], [d[1] for d in decoded], False)
+
+
+def test_the_initial_state_loader_of_a_stage_with_a_watermark_and_timers_is_valid():
+    """A stage with a watermark and event-time timers (no event-time TTL) gets an initial
+    state through a loader stage: no watermark and no event time (the rows are state, not
+    input), still with timers, so the loaded rows carry the ``_timers`` column."""
+    from pipelines.keyed._driver import loader_stage
+
+    schema = pa.schema([pa.field("device", pa.string(), nullable=False),
+                        ("last_seen", pa.timestamp("us", "UTC"))])
+    stage = KeyedStage("silent", "device", schema, lambda input, state: None,
+                       event_time="seen_at", time_mode=TimeMode.EVENT_TIME,
+                       on_timer=lambda fired, state: None,
+                       watermark=Watermark(allowed_lateness=dt.timedelta(minutes=5)))
+
+    loader = loader_stage(stage)
+
+    assert (None, None, TimeMode.PROCESSING_TIME) == (
+        loader.watermark, loader.event_time, loader.time_mode)
+    assert KeyedStateLayout.of(loader).stored_schema == KeyedStateLayout.of(stage).stored_schema

@@ -226,9 +226,13 @@ def test_failure_recovery_savepoint_and_backfill(dagster_dev: DagsterDev, pipeli
     assert {page_views_run} == {e["runId"] for e in dev.materializations("page_views")}
 
     # 5. The same as an uninterrupted run of the same landed input.
+    from pyspark.sql import SparkSession
+
     from pipelines import StatefulRunner
     from resources import CheckpointStorageResource, build_spark_session
 
+    # a session this process already has (the suite's fixture) is not this function's to stop
+    shared = SparkSession.getActiveSession()
     spark = build_spark_session(
         "local[1]", "acceptance-reference",
         {"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"},
@@ -268,4 +272,5 @@ def test_failure_recovery_savepoint_and_backfill(dagster_dev: DagsterDev, pipeli
         for name in expected:
             assert_frame_equal(expected[name], actual[name], check_exact=False, rtol=1e-9)
     finally:
-        spark.stop()
+        if shared is None:
+            spark.stop()

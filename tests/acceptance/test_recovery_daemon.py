@@ -179,9 +179,13 @@ def test_every_failure_is_recovered_whatever_started_the_run(tmp_path):
         stop_process_group(dev.proc)
 
     # 5. Equal to an uninterrupted recomputation.
+    from pyspark.sql import SparkSession
+
     from pipelines import StatefulRunner
     from resources import CheckpointStorageResource, build_spark_session
 
+    # a session this process already has (the suite's fixture) is not this function's to stop
+    shared = SparkSession.getActiveSession()
     spark = build_spark_session(
         "local[1]", "recovery-reference",
         {"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"},
@@ -212,4 +216,5 @@ def test_every_failure_is_recovered_whatever_started_the_run(tmp_path):
         for name in expected:
             assert_frame_equal(expected[name], actual[name], check_exact=False, rtol=1e-9)
     finally:
-        spark.stop()
+        if shared is None:
+            spark.stop()

@@ -178,9 +178,13 @@ def test_every_start_mode_fails_and_is_recovered(tmp_path, monkeypatch):
         stop_process_group(dev.proc)
 
     # Equal to an uninterrupted recomputation of the same landed input.
+    from pyspark.sql import SparkSession
+
     from pipelines import StatefulRunner
     from resources import CheckpointStorageResource, build_spark_session
 
+    # a session this process already has (the suite's fixture) is not this function's to stop
+    shared = SparkSession.getActiveSession()
     spark = build_spark_session(
         "local[1]", "start-modes-reference",
         {"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"},
@@ -218,4 +222,5 @@ def test_every_start_mode_fails_and_is_recovered(tmp_path, monkeypatch):
             for sink, frame in expected[last]["sinks"].items():
                 assert_frame_equal(frame, sink_frame(str(data / mode / sink)), check_exact=False)
     finally:
-        spark.stop()
+        if shared is None:
+            spark.stop()

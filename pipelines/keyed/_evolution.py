@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 
-__all__ = ["check_evolution", "check_evolution_spec", "evolve_table", "widens"]
+__all__ = ["check_evolution", "check_evolution_spec", "evolve_table", "integer_range", "widens"]
 
 
 def check_evolution_spec(renamed: Mapping[str, str], defaults: Mapping[str, object],
@@ -54,8 +54,8 @@ def widens(old: pa.DataType, new: pa.DataType) -> bool:
     if old == new:
         return True
     if pa.types.is_integer(old) and pa.types.is_integer(new):
-        low, high = _integer_range(old)
-        new_low, new_high = _integer_range(new)
+        low, high = integer_range(old)
+        new_low, new_high = integer_range(new)
         return new_low <= low and high <= new_high
     if pa.types.is_floating(old) and pa.types.is_floating(new):
         return new.bit_width >= old.bit_width
@@ -68,7 +68,8 @@ def widens(old: pa.DataType, new: pa.DataType) -> bool:
     return False
 
 
-def _integer_range(kind: pa.DataType) -> tuple[int, int]:
+def integer_range(kind: pa.DataType) -> tuple[int, int]:
+    """The smallest and largest value of an integer type."""
     bits = kind.bit_width
     if pa.types.is_signed_integer(kind):
         return -(1 << (bits - 1)), (1 << (bits - 1)) - 1

@@ -12,7 +12,7 @@ from dataclasses import field as dataclass_field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipelines.keyed._evolution import check_evolution_spec
+from pipelines.keyed._evolution import check_evolution_spec, integer_range
 
 __all__ = [
     "KeyedResult",
@@ -536,8 +536,8 @@ def key_type_fits(given: pa.DataType, declared: pa.DataType) -> bool:
     if given == declared:
         return True
     if pa.types.is_integer(given) and pa.types.is_integer(declared):
-        low, high = _integer_range(given)
-        declared_low, declared_high = _integer_range(declared)
+        low, high = integer_range(given)
+        declared_low, declared_high = integer_range(declared)
         return declared_low <= low and high <= declared_high
     for family in (_STRINGS, _BINARIES):
         if any(is_(given) for is_ in family) and any(is_(declared) for is_ in family):
@@ -549,13 +549,6 @@ def key_type_fits(given: pa.DataType, declared: pa.DataType) -> bool:
 
 _STRINGS = (pa.types.is_string, pa.types.is_large_string, pa.types.is_string_view)
 _BINARIES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_binary_view)
-
-
-def _integer_range(kind: pa.DataType) -> tuple[int, int]:
-    bits = kind.bit_width
-    if pa.types.is_signed_integer(kind):
-        return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    return 0, (1 << bits) - 1
 
 
 def conform_table(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:

@@ -280,6 +280,26 @@ def test_inline_change_files_restore(spark, tmp_path):
     assert not shared_files(tmp_path, runner)
 
 
+def test_a_small_states_checkpoints_stay_a_few_files_per_range(spark, tmp_path):
+    """Under the default policy a small state's range is snapshotted after 4 change files
+    (``small_every``), so its checkpoints reference a bounded number of files per range
+    (snapshot, at most 4 change files and the rest of an interval) across 8 batches, where
+    ``min_bytes`` alone let every batch add a file; the state equals a recomputation."""
+    pipeline = totals_pipeline(tmp_path, keyed_parallelism=2,
+                               full_snapshot=FullSnapshotPolicy())
+    runner = runner_of(spark, tmp_path, pipeline)
+    files = []
+    for partition in ("p1", "p2"):
+        runner.run([partition])
+        files.extend(len(state.handles) for c in runner.store.all()
+                     for op in c.metadata.operator_states
+                     for state in op.subtask_states.values())
+    latest = runner.store.latest().metadata.operator_states[0].subtask_states.values()
+    assert (True, [3, 3], expected(["p1", "p2"])) == (
+        max(files) <= 1 + 4 + pipeline.checkpoint_interval - 1,
+        [len(state.handles) for state in latest], state_of(runner))
+
+
 def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
     """A second runner on other executors' local directories (nothing local) rebuilds both
     ranges from the chains in its first batch only, says so, and continues exactly."""

@@ -161,6 +161,7 @@ class FullSnapshotSpec(dg.Model):
     every: int | None = FullSnapshotPolicy.every
     ratio: float = FullSnapshotPolicy.ratio
     min_bytes: int = FullSnapshotPolicy.min_bytes
+    small_every: int | None = FullSnapshotPolicy.small_every
 
 
 @dg.scaffold_with(StatefulPipelineScaffolder)

@@ -235,18 +235,25 @@ class FullSnapshotPolicy:
     ``every`` change files if set. The base is the chain's snapshot, or, for a chain that
     started empty, its first change file (which then holds the whole range).
 
+    A small range (its base and change files together at most ``min_bytes``) is also
+    snapshotted after ``small_every`` change files (None: never): below ``min_bytes`` the
+    ratio would let its chain grow to dozens of small files, each a file (or an inline
+    handle) of every later checkpoint, where the snapshot rewrites at most ``min_bytes``.
+
     Bytes written per batch are then about the change files' times ``1 + 1/ratio``, whatever
-    the state's size; a restore without local stores replays at most ``1 + ratio`` times the
-    snapshot's bytes."""
+    the state's size (a small range's, at most ``min_bytes / small_every`` more); a restore
+    without local stores replays at most ``1 + ratio`` times the snapshot's bytes."""
 
     every: int | None = None
     ratio: float = 1.0
     min_bytes: int = 1 << 20
+    small_every: int | None = 4
 
     def __post_init__(self) -> None:
-        if (self.every is not None and self.every < 1) or self.ratio <= 0 or self.min_bytes < 0:
-            raise ValueError(f"FullSnapshotPolicy: every >= 1 (or None), ratio > 0 and "
-                             f"min_bytes >= 0, got {self}")
+        if (self.every is not None and self.every < 1) or self.ratio <= 0 or self.min_bytes < 0 \
+                or (self.small_every is not None and self.small_every < 1):
+            raise ValueError(f"FullSnapshotPolicy: every and small_every >= 1 (or None), "
+                             f"ratio > 0 and min_bytes >= 0, got {self}")
 
     def due(self, chain: KeyedStateChain) -> bool:
         if not chain.changes:
@@ -258,6 +265,9 @@ class FullSnapshotPolicy:
         else:
             base, since = chain.full_snapshot.state_size, chain.changes
         changed = sum(h.state_size for h in since)
+        if (self.small_every is not None and len(since) >= self.small_every
+                and base + changed <= self.min_bytes):
+            return True
         return changed > self.ratio * max(base, self.min_bytes)
 
 

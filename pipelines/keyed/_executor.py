@@ -64,12 +64,14 @@ from pipelines.keyed._timers import due_mask, fire, fold, merge_changes
 
 def _change_file_storage(storage: CheckpointStorage,
                          chain: KeyedStateChain) -> CheckpointStorage:
-    """The storage a range's next change file is written through. An inline change file is
-    repeated in every ``_metadata`` until its chain is snapshotted, so the inline change
-    files of a chain share one inline threshold: past it, change files go to files."""
+    """The storage a range's next change file is written through. An inline state is
+    repeated in every ``_metadata`` until its chain is snapshotted, so a chain's inline
+    states (its snapshot and change files) share one inline threshold: past it, change files
+    go to files. Each ``_metadata`` then repeats at most that threshold per range."""
     if not isinstance(storage, FileSystemCheckpointStorage):
         return storage
-    inline = sum(h.state_size for h in chain.changes if isinstance(h, ByteStreamStateHandle))
+    inline = sum(h.state_size for h in (chain.full_snapshot, *chain.changes)
+                 if isinstance(h, ByteStreamStateHandle))
     return storage.with_file_state_size_threshold(
         max(0, storage.file_state_size_threshold - inline))
 

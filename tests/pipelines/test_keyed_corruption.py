@@ -51,7 +51,7 @@ def totals(tmp_path: Path, **options) -> StatefulPipeline:
     unless asked), a name of its own: its local stores (below the temp directory when Dagster
     runs it) are nobody else's."""
     options = {"checkpoint_interval": 2, "max_parallelism": 16, "max_retained_checkpoints": 4,
-               "full_snapshot": FullSnapshotPolicy(every=100)} | options
+               "full_snapshot": FullSnapshotPolicy(every=100, small_every=None)} | options
     return StatefulPipeline(
         name=f"corrupt_{uuid.uuid4().hex[:8]}",
         stages=[KeyedStage("totals", "customer", TOTALS, customer_totals)],

@@ -280,6 +280,34 @@ def test_inline_change_files_restore(spark, tmp_path):
     assert not shared_files(tmp_path, runner)
 
 
+def test_a_small_states_checkpoints_stay_a_few_files_per_range(spark, tmp_path):
+    """Under the default policy a small state's range is snapshotted after 4 change files
+    (``small_every``), so its checkpoints hold a bounded number of states per range
+    (snapshot, at most 4 change files and the rest of an interval) across 8 batches, where
+    ``min_bytes`` alone let every batch add one. With states inline below the threshold and
+    change files merged across checkpoints, a new runner on other local stores restores them
+    and the state equals a recomputation; shared/ holds exactly what the retained
+    checkpoints reference (at most 2 files a range: its snapshot and one appended file)."""
+    storage = storage_of(tmp_path, file_state_size_threshold=2048, file_merging_enabled=True,
+                         file_merging_across_checkpoint_boundary=True)
+    pipeline = totals_pipeline(tmp_path, keyed_parallelism=2,
+                               full_snapshot=FullSnapshotPolicy())
+    states, files = [], []
+    for partition, local in (("p1", "local"), ("p2", "elsewhere")):
+        runner = StatefulRunner(spark, storage, pipeline, keyed_local_dir=str(tmp_path / local))
+        runner.run([partition])
+        runner.store.shared_state_registry.wait_for_pending_deletions()
+        for state in (s for c in runner.store.all() for op in c.metadata.operator_states
+                      for s in op.subtask_states.values()):
+            states.append(len(state.handles))
+            files.append(len({h.path for h in state.handles if hasattr(h, "path")}))
+    latest = runner.store.latest().metadata.operator_states[0].subtask_states.values()
+    assert (True, True, [3, 3], expected(["p1", "p2"]), referenced_files(runner)) == (
+        max(states) <= 1 + 4 + pipeline.checkpoint_interval - 1, max(files) <= 2,
+        [len(state.handles) for state in latest], state_of(runner),
+        shared_files(tmp_path, runner))
+
+
 def test_local_stores_lost_between_runs_are_rebuilt(spark, tmp_path):
     """A second runner on other executors' local directories (nothing local) rebuilds both
     ranges from the chains in its first batch only, says so, and continues exactly."""

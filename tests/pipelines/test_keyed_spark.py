@@ -265,6 +265,41 @@ def test_full_snapshot_policy_counts_changes_and_bytes():
     assert [2, 3, 5] == ranges_to_snapshot(chains, policy)
 
 
+def test_a_small_ranges_chain_is_bounded_by_small_every():
+    """A range whose base and change files together are at most ``min_bytes`` is due after
+    ``small_every`` change files since its base (it would otherwise collect change files up
+    to ``min_bytes``); a range above ``min_bytes`` is not, nor is one with fewer changes, nor
+    any with ``small_every=None``."""
+    from checkpoint_storage import ByteStreamStateHandle
+
+    def chain(snapshot: int | None, changes: list[int]) -> KeyedStateChain:
+        return KeyedStateChain(ALL, None if snapshot is None
+                               else ByteStreamStateHandle("m", b"x" * snapshot),
+                               tuple(ByteStreamStateHandle(f"c{i}", b"x" * n)
+                                     for i, n in enumerate(changes)))
+
+    policy = FullSnapshotPolicy(min_bytes=1000, small_every=4)
+    chains = [chain(100, [10] * 3), chain(100, [10] * 4), chain(None, [100, *[10] * 3]),
+              chain(None, [100, *[10] * 4]), chain(990, [10] * 4), chain(700, [100] * 4)]
+    assert ([1, 3], []) == (ranges_to_snapshot(chains, policy), ranges_to_snapshot(
+        chains, FullSnapshotPolicy(min_bytes=1000, small_every=None)))
+
+
+def test_a_chains_inline_snapshot_counts_against_its_inline_threshold(tmp_path):
+    """A chain's inline states share one inline threshold, its snapshot's included: each
+    ``_metadata`` repeats at most the threshold per range, so a change file goes to a file
+    once the inline snapshot and change files fill it."""
+    from pipelines.keyed._executor import _change_file_storage
+
+    storage = FileSystemCheckpointStorage(str(tmp_path), file_state_size_threshold=1000)
+    snapshot = ByteStreamStateHandle("m", b"x" * 600)
+    change = ByteStreamStateHandle("c", b"x" * 300)
+    thresholds = [_change_file_storage(storage, chain).file_state_size_threshold for chain in (
+        KeyedStateChain(ALL, None), KeyedStateChain(ALL, snapshot),
+        KeyedStateChain(ALL, snapshot, (change,)), KeyedStateChain(ALL, None, (change,) * 4))]
+    assert [1000, 400, 100, 0] == thresholds
+
+
 def test_a_batch_on_chains_of_another_parallelism_is_refused(spark, job):
     """A batch whose chains are not the ranges of its parallelism (rescaled without
     snapshotting first) is refused before any task runs, saying what to do."""

@@ -141,12 +141,12 @@ def test_keyed_stages_and_their_settings_come_from_yaml():
         "sinks": [],
         "max_parallelism": 64,
         "keyed_parallelism": 4,
-        "full_snapshot": {"every": 5, "ratio": 0.5},
+        "full_snapshot": {"every": 5, "ratio": 0.5, "small_every": 8},
     }  # fmt: skip
 
     pipeline = StatefulPipelineComponent.model_validate(attributes).pipeline()
 
-    assert (["dedupe", "user_activity"], 64, 4, FullSnapshotPolicy(5, 0.5)) == (
+    assert (["dedupe", "user_activity"], 64, 4, FullSnapshotPolicy(5, 0.5, small_every=8)) == (
         [s.name for s in pipeline.keyed_stages], pipeline.max_parallelism,
         pipeline.keyed_parallelism, pipeline.full_snapshot)
 

@@ -1,6 +1,6 @@
 """Local recovery ahead of a restart: the local stores of the keyed stages, brought to the
 pipeline's latest checkpoint on this machine in the background, while the JVM starts
-(Flink's task-local recovery, docs/design.md 7.11).
+(Flink's task-local recovery, docs/design.md 7.13).
 
 A restart's first batch finds no local store (or a stale one) and each range's task rebuilds
 its store from the checkpoint chain first: at the end of a long chain that is most of the

@@ -550,7 +550,8 @@ def recover(system: str, m: Measured, data: Path, work: Path, point: str, b: int
     m.recovery[point] = {"batch": b, "chain": m.chain_lengths[b - 1],
                          "from_process_start": result["done"] - started,
                          "from_runner_start": result["done"] - result["runner_start"],
-                         "peak_rss": peak.rss}  # fmt: skip
+                         "peak_rss": peak.rss,
+                         "prefetched": result.get("prefetched")}  # fmt: skip
 
 
 def measure_size(size: int, changed: int, base: Path, args, order: list[str]) -> dict:
@@ -614,7 +615,10 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         for point, r in m.recovery.items():
             print(f"    recovery at the {point} point (after batch {r['batch']}, chains "
                   f"{r['chain']} files): {r['from_process_start']:.2f} s from process start, "
-                  f"{r['from_runner_start']:.2f} s from the runner's start")
+                  f"{r['from_runner_start']:.2f} s from the runner's start"
+                  + (f"; local stores prefetched: {', '.join(p['outcome'] for p in prefetched)} "
+                     f"({max(p['seconds'] for p in prefetched):.2f} s)"
+                     if (prefetched := r.get("prefetched")) else ""))
     ours, ss = measured.get("ours"), measured.get("ss-rocksdb")
     covered = ours is not None and ss is not None and all(
         v >= 1 for m in (ours, ss) for v in m.snapshots.values()) and all(

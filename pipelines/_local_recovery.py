@@ -55,21 +55,29 @@ class LocalStorePrefetch:
     """A prefetch running in a daemon thread: ``wait()`` for its ``PrefetchedStore``s. Nothing
     needs to wait for it: a task that reaches a store being built waits for its lock."""
 
-    def __init__(self, checkpoint: str | None, jobs: list) -> None:
-        self.checkpoint = checkpoint
-        """The checkpoint whose state is prefetched (None: there was none, nothing to do)."""
-        self._jobs = jobs
+    def __init__(self, plan) -> None:
+        self.checkpoint: str | None = None
+        """The checkpoint whose state is prefetched (None: none, or not read yet)."""
+        self.error: str | None = None
+        """Why nothing was prefetched (the checkpoint could not be read; logged)."""
+        self._plan = plan
         self._results: list[PrefetchedStore] = []
         self._thread = threading.Thread(target=self._run, name="local-store-prefetch",
                                         daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        if not self._jobs:
+        try:
+            self.checkpoint, jobs = self._plan()
+        except Exception as exc:  # noqa: BLE001 - the runner reads it again, and says why
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("local stores not prefetched: %s", self.error)
+            return
+        if not jobs:
             return
         # a thread per range: reading Parquet and sorting release the GIL
-        with ThreadPoolExecutor(len(self._jobs), thread_name_prefix="prefetch") as pool:
-            self._results = list(pool.map(lambda job: job(), self._jobs))
+        with ThreadPoolExecutor(len(jobs), thread_name_prefix="prefetch") as pool:
+            self._results = list(pool.map(lambda job: job(), jobs))
 
     def wait(self, timeout: float | None = None) -> list[PrefetchedStore]:
         """The ranges' outcomes once the prefetch is done (``TimeoutError`` after
@@ -88,16 +96,20 @@ def prefetch_local_stores(storage: CheckpointStorage, pipeline: StatefulPipeline
     for them: call it before the SparkSession starts, when the executors share this machine's
     disk (a ``local[*]`` master), with the runner's ``keyed_local_dir`` as ``local_dir``. The
     ranges are those of ``parallelism`` (default: the pipeline's ``keyed_parallelism``, else
-    the checkpoint's). Reads only; a range whose chain cannot be read is left to its task
-    (``PrefetchedStore.error``), a stage whose state schema changed is skipped (its files are
-    converted in a full snapshot first)."""
-    access = storage.create_checkpoint_storage(job_id_for(pipeline.name))
-    latest = access.latest_completed_checkpoint()
-    if latest is None:
-        return LocalStorePrefetch(None, [])
-    metadata = latest.load_metadata()
-    jobs = _jobs(metadata, pipeline, str(job_id_for(pipeline.name)), local_dir, parallelism)
-    return LocalStorePrefetch(latest.external_pointer, jobs)
+    the checkpoint's). Reads only, and never raises: a checkpoint that cannot be read is
+    left to the runner (``LocalStorePrefetch.error``), a range whose chain cannot be read to
+    its task (``PrefetchedStore.error``); a stage whose state schema changed is skipped (its
+    files are converted in a full snapshot first)."""
+    job_id = job_id_for(pipeline.name)
+
+    def plan() -> tuple[str | None, list]:
+        latest = storage.create_checkpoint_storage(job_id).latest_completed_checkpoint()
+        if latest is None:
+            return None, []
+        return latest.external_pointer, _jobs(latest.load_metadata(), pipeline, str(job_id),
+                                              local_dir, parallelism)
+
+    return LocalStorePrefetch(plan)
 
 
 def _jobs(metadata: CheckpointMetadata, pipeline: StatefulPipeline, job_id: str,

@@ -8,6 +8,7 @@ import sys
 import pytest
 from pyspark import cloudpickle
 
+from checkpoint_storage import FileSystemCheckpointStorage
 from pipelines import FullSnapshotPolicy, StatefulRunner, prefetch_local_stores
 from pipelines.keyed._store import ArrowKeyedStateStore, stored_version
 from tests.pipelines.support import expected, state_of, storage_of, totals_pipeline
@@ -144,3 +145,30 @@ def test_stores_that_hold_the_checkpoint_already_are_left_as_they_are(spark, tmp
     assert ["present", "present"] == [p.outcome for p in outcomes]
     assert stores == [p.directory for p in outcomes]
     assert manifests == [(p / "MANIFEST.json").stat().st_mtime_ns for p in stores]
+
+
+def test_without_a_checkpoint_there_is_nothing_to_prefetch(tmp_path):
+    prefetch = prefetch_local_stores(storage_of(tmp_path), _pipeline(tmp_path),
+                                     local_dir=str(tmp_path / "local"))
+
+    assert [] == prefetch.wait(timeout=60)
+    assert (None, None) == (prefetch.checkpoint, prefetch.error)
+    assert not (tmp_path / "local").exists()
+
+
+class _UnreachableStorage(FileSystemCheckpointStorage):
+    """Real storage whose job directory cannot be listed (e.g. the network is down)."""
+
+    def create_checkpoint_storage(self, job_id):
+        raise OSError("injected: the checkpoint directory cannot be listed")
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_that_cannot_be_read_is_left_to_the_runner(tmp_path):
+    """The caller (the Dagster asset, before its SparkSession) never fails for a prefetch:
+    the error is kept and logged, and the runner meets it (and reports it) itself."""
+    prefetch = prefetch_local_stores(_UnreachableStorage(str(tmp_path / "checkpoints")),
+                                     _pipeline(tmp_path), local_dir=str(tmp_path / "local"))
+
+    assert [] == prefetch.wait(timeout=60)
+    assert "injected" in prefetch.error

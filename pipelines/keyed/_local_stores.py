@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pipelines.keyed._chain import (
+    KeyedStateChain,
     rebuild_store,
 )
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
 )
+from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._store import (
     ArrowKeyedStateStore,
     LocalStoreError,
@@ -304,8 +306,8 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     return removed
 
 
-def prebuild_local_store(directory: Path, layout, key_groups: KeyGroupRange,
-                         chains: list, version: str) -> str:
+def prebuild_local_store(directory: Path, layout: KeyedStateLayout, key_groups: KeyGroupRange,
+                         chains: list[KeyedStateChain], version: str) -> str:
     """Bring the local store at ``directory`` to the state of ``chains`` (``version``: their
     ``chain_version``) ahead of the task that will need it, as the task would
     (``rebuild_store``), under the store's lock. Returns what it did: ``"present"`` (the

@@ -21,13 +21,8 @@ from checkpoint_storage import (
     list_checkpoints,
 )
 from checkpoint_storage.spi import StreamStateHandle, format_size, verify_state_handles
-from pipelines import (
-    CheckpointSummary,
-    PartitionResult,
-    StatefulPipeline,
-    StatefulRunner,
-    prefetch_local_stores,
-)
+from pipelines import CheckpointSummary, PartitionResult, StatefulPipeline, StatefulRunner
+from pipelines.local_recovery import prefetch_local_stores
 from pipelines.runner import check_restore_from, damaged_state
 from pipelines.statistics import statistics_metadata
 from resources import CheckpointStorageResource, SparkResource

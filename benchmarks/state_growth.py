@@ -444,14 +444,27 @@ def worker_run(args, system: System) -> None:
 
 def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
     """A new process (its start stamped by the parent): SparkSession, restore from the
-    checkpoint in place (the copy at batch ``args.point``), batch ``args.point + 1``."""
+    checkpoint in place (the copy at batch ``args.point``), batch ``args.point + 1``. Ours
+    starts ``prefetch_local_stores`` first (unless ``--no-prefetch``): the local stores are
+    rebuilt while the JVM starts, as a restart on a ``local[*]`` master does."""
+    local_dir = str(work / f"local-recover-{args.point}")
+    prefetch = None
+    if system_name == "ours" and args.prefetch:
+        from checkpoint_storage import FileSystemCheckpointStorage
+        from pipelines import prefetch_local_stores
+
+        prefetch = prefetch_local_stores(FileSystemCheckpointStorage(str(work / "checkpoint")),
+                                         _ours_pipeline(*_land(data, work)),
+                                         local_dir=local_dir)
     system = System(system_name, data, work, args.ss_min_deltas)
     started = time.time()
-    system.start(str(work / f"local-recover-{args.point}"))
+    system.start(local_dir)
     system.batch(args.point + 1)
     done = time.time()
     system.stop()
-    _say("RESULT", {"runner_start": started, "done": done})
+    prefetched = None if prefetch is None else [
+        {"outcome": p.outcome, "seconds": round(p.seconds, 2)} for p in prefetch.wait()]
+    _say("RESULT", {"runner_start": started, "done": done, "prefetched": prefetched})
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -505,7 +518,8 @@ def spawn(argv: list[str], sample: bool = True) -> tuple[dict, float, PeakMemory
 
 def common_argv(system: str, data: Path, work: Path, args) -> list[str]:
     return ["--system", system, "--data", str(data), "--work", str(work),
-            "--batches", str(args.batches), "--ss-min-deltas", str(args.ss_min_deltas)]
+            "--batches", str(args.batches), "--ss-min-deltas", str(args.ss_min_deltas),
+            *([] if args.prefetch else ["--no-prefetch"])]
 
 
 def choose_points(m: Measured) -> dict[str, int]:
@@ -536,7 +550,8 @@ def recover(system: str, m: Measured, data: Path, work: Path, point: str, b: int
     m.recovery[point] = {"batch": b, "chain": m.chain_lengths[b - 1],
                          "from_process_start": result["done"] - started,
                          "from_runner_start": result["done"] - result["runner_start"],
-                         "peak_rss": peak.rss}  # fmt: skip
+                         "peak_rss": peak.rss,
+                         "prefetched": result.get("prefetched")}  # fmt: skip
 
 
 def measure_size(size: int, changed: int, base: Path, args, order: list[str]) -> dict:
@@ -600,7 +615,10 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         for point, r in m.recovery.items():
             print(f"    recovery at the {point} point (after batch {r['batch']}, chains "
                   f"{r['chain']} files): {r['from_process_start']:.2f} s from process start, "
-                  f"{r['from_runner_start']:.2f} s from the runner's start")
+                  f"{r['from_runner_start']:.2f} s from the runner's start"
+                  + (f"; local stores prefetched: {', '.join(p['outcome'] for p in prefetched)} "
+                     f"({max(p['seconds'] for p in prefetched):.2f} s)"
+                     if (prefetched := r.get("prefetched")) else ""))
     ours, ss = measured.get("ours"), measured.get("ss-rocksdb")
     covered = ours is not None and ss is not None and all(
         v >= 1 for m in (ours, ss) for v in m.snapshots.values()) and all(
@@ -653,6 +671,8 @@ def main(argv=None) -> None:
     parser.add_argument("--growth-changed", type=int, default=GROWTH_CHANGED)
     parser.add_argument("--growth-batches", type=int, default=GROWTH_BATCHES)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                        help="recoveries of ours without prefetch_local_stores")
     args = parser.parse_args(argv)
     if args.command == "run":
         worker_run(args, System(args.system, Path(args.data), Path(args.work),

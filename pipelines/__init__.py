@@ -104,6 +104,8 @@ _ELSEWHERE = {
     "CheckpointDataSource": "pipelines.state_source",
     "register_checkpoint_source": "pipelines.state_source",
     "NonRestoredStateError": "pipelines.runner",
+    "LocalStorePrefetch": "pipelines.local_recovery",
+    "prefetch_local_stores": "pipelines.local_recovery",
 }
 
 

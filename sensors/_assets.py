@@ -22,6 +22,7 @@ from checkpoint_storage import (
 )
 from checkpoint_storage.spi import StreamStateHandle, format_size, verify_state_handles
 from pipelines import CheckpointSummary, PartitionResult, StatefulPipeline, StatefulRunner
+from pipelines.local_recovery import prefetch_local_stores
 from pipelines.runner import check_restore_from, damaged_state
 from pipelines.statistics import statistics_metadata
 from resources import CheckpointStorageResource, SparkResource
@@ -314,6 +315,10 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
             + (f" to {keys[-1]}" if len(keys) > 1 else "")
             + f"; Spark master {spark.master}"
         )
+        if config.restore_from is None and spark.master.startswith("local"):
+            # The executors share this disk: the local stores are rebuilt from the newest
+            # checkpoint while the JVM starts (a task uses one only if it holds its chains).
+            prefetch_local_stores(checkpoint_storage.checkpoint_storage(), pipeline)
         fault_hook = _fault_hook(context.run.tags)  # test seam, None unless enabled
         runner = runner_for(
             pipeline, spark, checkpoint_storage, fault_hook=fault_hook,

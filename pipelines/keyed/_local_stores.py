@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pipelines.keyed._chain import (
+    KeyedStateChain,
     rebuild_store,
 )
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
 )
+from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._store import (
     ArrowKeyedStateStore,
     LocalStoreError,
@@ -40,6 +42,8 @@ from pipelines.keyed._task import (
 __all__ = [
     "DEFAULT_LOCAL_STORE_MAX_AGE",
     "local_store_directory",
+    "prebuild_local_store",
+    "store_directory",
     "sweep_idle_stores",
     "sweep_other_ranges",
 ]
@@ -50,13 +54,25 @@ logger = logging.getLogger(__name__)
 
 def _local_root(task: KeyedStageTask) -> Path:
     """The directory holding every job's local stores on an executor."""
-    return Path(task.local_dir or tempfile.gettempdir()) / "pipelines-keyed"
+    return _root_of(task.local_dir)
+
+
+def _root_of(local_dir: str | None) -> Path:
+    return Path(local_dir or tempfile.gettempdir()) / "pipelines-keyed"
 
 
 def local_store_directory(task: KeyedStageTask, key_groups: KeyGroupRange) -> Path:
     """Where an executor keeps the local store of one range: per job, stage and range."""
-    return (_local_root(task) / task.job_id / task.stage.name
-            / f"m{task.max_parallelism}-kg{key_groups.start}-{key_groups.end}")
+    return store_directory(task.local_dir, task.job_id, task.stage.name, task.max_parallelism,
+                           key_groups)
+
+
+def store_directory(local_dir: str | None, job_id: str, stage: str, max_parallelism: int,
+                    key_groups: KeyGroupRange) -> Path:
+    """``local_store_directory`` without a task: the store a task of ``job_id`` (hex) with
+    these settings opens on a machine whose executors use ``local_dir``."""
+    return (_root_of(local_dir) / job_id / stage
+            / f"m{max_parallelism}-kg{key_groups.start}-{key_groups.end}")
 
 
 class _Locked:
@@ -288,6 +304,25 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
         with contextlib.suppress(OSError):
             directory.rmdir()  # only if empty; a task recreates it if it needs it
     return removed
+
+
+def prebuild_local_store(directory: Path, layout: KeyedStateLayout, key_groups: KeyGroupRange,
+                         chains: list[KeyedStateChain], version: str) -> str:
+    """Bring the local store at ``directory`` to the state of ``chains`` (``version``: their
+    ``chain_version``) ahead of the task that will need it, as the task would
+    (``rebuild_store``), under the store's lock. Returns what it did: ``"present"`` (the
+    store holds ``version`` already), ``"built"``, or ``"busy"`` (a task holds the lock: the
+    task brings the store to its chains itself). A failure to read the chains raises before
+    the store is touched. A store is used only when its ``version`` is the task's chains', so
+    a build for another checkpoint, or one cut short (the manifest naming ``version`` is
+    written last), is rebuilt by the task, never used."""
+    with _Locked(directory, blocking=False) as locked:
+        if not locked.held:
+            return "busy"
+        if stored_version(directory) == version:  # a hint: the task verifies the store
+            return "present"
+        rebuild_store(directory, layout, key_groups, chains, version).close()
+        return "built"
 
 
 def _open_held(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,

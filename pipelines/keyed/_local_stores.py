@@ -294,7 +294,7 @@ def sweep_idle_stores(root: Path, max_age: dt.timedelta, *, keep: Path | None = 
     return removed
 
 
-OPEN_STORE_BYTES = 64 << 20
+OPEN_STORE_BYTES = 32 << 20
 """The file bytes of the local stores a Python worker keeps open between tasks."""
 
 

@@ -4,22 +4,76 @@ task from a kept store only while no one else wrote it; the store writes without
 every state a power loss can leave is refused or opens as a stale ``version``."""
 
 import os
+import sys
 import threading
+from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from pyspark import cloudpickle
 
+from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from pipelines.keyed import (
     ArrowKeyedStateStore,
+    KeyedResult,
+    KeyedStage,
+    KeyedStageTask,
+    KeyedStateChain,
     LocalStoreError,
     _store,
     apply_keyed_batch,
+    compute_key_group_range_for_operator_index,
     local_store_directory,
 )
 from pipelines.keyed import _local_stores as local_stores
 from pipelines.keyed._local_stores import _locked_store, forget_open_stores
 from tests.pipelines.support import InjectedFault, as_model
-from tests.pipelines.test_keyed_spark import BATCHES, STATE, Job
+
+MAX_PARALLELISM = 8
+STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
+BATCHES = [["ann", "bob", "ann", "cid"], ["bob", "eve", "ann", "fay", "gus", "gus"]]
+
+
+def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
+    counts = input.group_by("user").aggregate([([], "count_all")])
+    joined = counts.join(state, "user", join_type="left outer")
+    clicks = pc.add(joined.column("count_all"), pc.fill_null(joined.column("clicks"), 0))
+    upserts = pa.table({"user": joined.column("user"), "clicks": clicks})
+    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}), upserts)
+
+
+# Spark's workers cannot import this test module: its functions travel by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+STAGE = KeyedStage("clicks", "user", STATE, count_clicks)
+
+
+class Job:
+    """One job's checkpoint storage on local disk, its chains and its local store directory."""
+
+    def __init__(self, root: Path, parallelism: int) -> None:
+        self.storage = FileSystemCheckpointStorage(str(root / "checkpoints"))
+        self.job_id = JobID.generate()
+        self.access = self.storage.create_checkpoint_storage(self.job_id)
+        self.access.initialize_base_locations()
+        self.local_dir = root / "local"
+        self.checkpoint_id = 0
+        self.parallelism = parallelism
+        self.chains = [KeyedStateChain(compute_key_group_range_for_operator_index(
+            MAX_PARALLELISM, parallelism, i), None) for i in range(parallelism)]
+
+    def task(self, batch: int) -> KeyedStageTask:
+        self.checkpoint_id += 1
+        location = self.access.initialize_location_for_checkpoint(self.checkpoint_id)
+        return KeyedStageTask(
+            self.storage, str(self.job_id), self.checkpoint_id, location.location_reference,
+            STAGE, STATE, MAX_PARALLELISM, self.parallelism, tuple(self.chains), batch,
+            local_dir=str(self.local_dir))
+
+    def run(self, spark, batch: int) -> None:
+        frame = spark.createDataFrame([(u,) for u in BATCHES[batch]], "user string")
+        apply_keyed_batch(frame, self.task(batch)).release()
+
 
 ROWS = {"ann": 1, "bob": 2, "cid": 3}
 

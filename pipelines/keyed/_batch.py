@@ -12,7 +12,6 @@ from functools import partial
 import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
@@ -124,6 +123,13 @@ def _results(task: KeyedStageTask, rows) -> list[KeyedRangeResult]:
     return [results[i] for i in sorted(results)]
 
 
+def _kind_in(*kinds: str, negated: bool = False) -> str:
+    """The result rows of ``kinds`` (of other kinds: ``negated``), as SQL: a string condition
+    is one py4j call where a ``Column`` expression is dozens (each function and literal a JVM
+    lookup), and the driver builds these at every batch."""
+    return f"row_kind {'NOT ' * negated}IN ({', '.join(repr(k) for k in kinds)})"
+
+
 _ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
@@ -191,18 +197,18 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
             partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
         ).persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            handles = cached.filter(~F.col("row_kind").isin(_OUTPUT, _LATE)).drop(
-                "payload").collect()
+            # the handle and summary rows carry no payload: nothing to drop
+            handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()
         except BaseException:
             cached.unpersist()
             raise
     target = _spark_arrow_schema(task.output_schema)
-    output = cached.filter(F.col("row_kind") == _OUTPUT).select("payload").mapInArrow(
+    output = cached.filter(_kind_in(_OUTPUT)).select("payload").mapInArrow(
         partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
     late = None
     watermark = task.stage.watermark
     if watermark is not None and watermark.late_rows:
-        late = cached.filter(F.col("row_kind") == _LATE).select("payload").mapInArrow(
+        late = cached.filter(_kind_in(_LATE)).select("payload").mapInArrow(
             partial(_decode_output, to_arrow_schema(input.schema, timezone="UTC")),
             input.schema)
     return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles),

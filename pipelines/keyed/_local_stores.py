@@ -15,9 +15,12 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 from pipelines.keyed._chain import (
@@ -178,6 +181,7 @@ def _remove_unheld(store: Path, still: Callable[[], bool] = lambda: True) -> boo
     with _Locked(store, blocking=False) as locked:
         if not locked.held or not still():
             return False
+        _OPEN_STORES.discard(store)
         try:
             remove_store(store)
         except LocalStoreError:
@@ -325,12 +329,77 @@ def prebuild_local_store(directory: Path, layout: KeyedStateLayout, key_groups: 
         return "built"
 
 
+OPEN_STORE_BYTES = 32 << 20
+"""The file bytes of the local stores a Python worker keeps open between tasks."""
+
+
+class _OpenStores:
+    """The local stores this process keeps open between its tasks (Spark reuses Python
+    workers), least recently used first, at most ``OPEN_STORE_BYTES`` of files: opening a
+    store reads and checks its manifest and parses each of its files, about as long as a
+    small batch's stage takes. A kept store serves a task only while ``unchanged()`` (no
+    other process wrote it since: a few stat calls) and, as any store, only when its
+    ``version`` is the shipped chain's. Bounded because a kept store's memory maps count in
+    the worker's resident memory; a larger store is opened at each task, as before."""
+
+    def __init__(self) -> None:
+        self._stores: OrderedDict[Path, ArrowKeyedStateStore] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, directory: Path, task: KeyedStageTask,
+             key_groups: KeyGroupRange) -> ArrowKeyedStateStore | None:
+        with self._lock:
+            store = self._stores.pop(directory, None)
+        if store is None:
+            return None
+        if store.layout == task.layout and store.key_groups == key_groups and store.unchanged():
+            return store
+        store.close()
+        return None
+
+    def keep(self, store: ArrowKeyedStateStore) -> None:
+        closing = []
+        with self._lock:
+            self._stores[store.directory] = store
+            total = sum(s.file_bytes for s in self._stores.values())
+            while total > OPEN_STORE_BYTES and self._stores:
+                _, evicted = self._stores.popitem(last=False)
+                total -= evicted.file_bytes
+                closing.append(evicted)
+        for evicted in closing:
+            evicted.close()
+
+    def discard(self, directory: Path) -> None:
+        with self._lock:
+            store = self._stores.pop(directory, None)
+        if store is not None:
+            store.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            stores, self._stores = list(self._stores.values()), OrderedDict()
+        for store in stores:
+            store.close()
+
+
+_OPEN_STORES = _OpenStores()
+
+
+def forget_open_stores() -> None:
+    """Close the local stores this process keeps open, so that the next task opens its store
+    from disk, as the first task in a new Python worker does (tests, benchmarks)."""
+    _OPEN_STORES.clear()
+
+
 def _open_held(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Path,
                version: str) -> tuple[ArrowKeyedStateStore | None, str | None]:
     """The range's local store if it holds the chain state ``version`` names (None if not),
-    and why it could not be opened (None: it could, or there was none)."""
+    and why it could not be opened (None: it could, or there was none): the one this process
+    kept open if it is unchanged on disk, else opened (and verified) from disk."""
+    store = _OPEN_STORES.take(directory, task, key_groups)
     try:
-        store = ArrowKeyedStateStore(directory, task.layout, key_groups)
+        if store is None:
+            store = ArrowKeyedStateStore(directory, task.layout, key_groups)
     except LocalStoreError as exc:
         return None, str(exc)  # damaged, unverifiable (an older format) or another stage's
     # a stale store (or a stale copy of one) holds another chain's digest
@@ -390,8 +459,17 @@ def _locked_store(task: KeyedStageTask, key_groups: KeyGroupRange, directory: Pa
         store = (_open_local(task, key_groups, where) if local_only
                  else _open_current(task, key_groups, where, stats))
         if store is not None:
-            held.callback(store.close)
+            held.push(partial(_release, store))
         yield store
+
+
+def _release(store: ArrowKeyedStateStore, failed, *_) -> None:
+    """At the end of a task's use of ``store``, under its lock: kept open for the process's
+    next task, or closed if the task failed (its state in memory may be ahead of the disk's)."""
+    if failed is None:
+        _OPEN_STORES.keep(store)
+    else:
+        store.close()
 
 
 def _lock_for(task: KeyedStageTask, directory: Path, version: str, stats: dict,

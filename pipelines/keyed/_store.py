@@ -18,10 +18,12 @@ replaced atomically, so a crash leaves either the old or the new store, and file
 name are leftovers.
 
 The store verifies what it opens: the manifest records each file's size and CRC-32 and carries
-a CRC-32 of its own body; every file is fsynced before the manifest naming it is renamed into
-place, and the directory after. Opening checks the manifest, then each file's size and
-checksum before Arrow parses it: a flipped bit, a truncated, missing or stale file raises
-``LocalStoreError`` naming it, and the caller rebuilds from the chain. Hashing a file costs
+a CRC-32 of its own body. Opening checks the manifest, then each file's size and checksum
+before Arrow parses it: a flipped bit, a truncated, missing or stale file raises
+``LocalStoreError`` naming it, and the caller rebuilds from the chain. Nothing is fsynced: a
+power loss may leave a torn, zero-filled or missing file, or an older or empty manifest, and
+each of these fails that check (or opens as an older ``version``, which the caller rebuilds);
+the checkpoint, not the store, is what is durable. Hashing a file costs
 about 0.2 s per GB (zlib's CRC-32 reads at ~6 GB/s here), once per process: a file verified, or
 written, by this process is remembered by its (path, device, inode, size, mtime, ctime,
 checksum) and not hashed again while those hold.
@@ -164,6 +166,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._run_schema = self._segment_schema.append(pa.field(_DELETED, pa.bool_()))
         self._segment_file: str | None = None
         self._checksums: dict[str, tuple[int, int]] = {}  # file name -> (size, CRC-32)
+        # what each live file and the manifest were when verified or written (``unchanged``)
+        self._signatures: dict[str, tuple] = {}
         self._version: str | None = None
         self._rows = 0  # live rows, kept by every write: counting them costs the runs' lookups
         self._segment = self._segment_schema.empty_table()
@@ -208,15 +212,19 @@ class ArrowKeyedStateStore(KeyedStateStore):
         temporary = self.directory / f".{_MANIFEST}.{uuid.uuid4().hex}"
         with open(temporary, "wb") as file:
             file.write(text)
-            file.flush()
-            os.fsync(file.fileno())  # the files it names were fsynced when written
         os.replace(temporary, self.directory / _MANIFEST)
-        _fsync_directory(self.directory)
+        # No fsync here nor of the files: the store is a cache verified when a process first
+        # opens it, so a power loss costs a rebuild, never wrong state (docs/design.md, 7.3)
+        self._signatures = {n: self._signatures[n] for n in live}
+        self._signatures[_MANIFEST] = _stat_signature(os.stat(self.directory / _MANIFEST))
 
     def _read_manifest(self, manifest: Path) -> dict:
         """The manifest's body, its checksum checked; a v2 manifest (no checksums) refused."""
         try:
-            document = json.loads(manifest.read_bytes())
+            with open(manifest, "rb") as file:
+                # the file read, not the name's later target: ``unchanged`` compares with it
+                self._signatures[_MANIFEST] = _stat_signature(os.fstat(file.fileno()))
+                document = json.loads(file.read())
         except (OSError, ValueError) as exc:
             raise LocalStoreError(f"local store {self.directory}: unreadable {manifest} "
                                   f"({exc}); rebuild it from the checkpoint chain") from exc
@@ -282,6 +290,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
             raise LocalStoreError(f"{path} has {stat.st_size} bytes, the manifest recorded "
                                   f"{size} (truncated or replaced)")
         signature = _signature(path, stat, checksum)
+        self._signatures[name] = _stat_signature(stat)
         if not self.verify or _VERIFIED.holds(signature):
             return
         actual = _file_checksum(path)
@@ -301,10 +310,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 # concatenation (a 4-chunk segment of 4M rows took 14 ms per take, 1 chunk
                 # 0.4 ms)
                 writer.write_table(table, max_chunksize=1 << 26)
-            file.flush()
-            os.fsync(file.fileno())  # before the manifest that names it
         stat = path.stat()
         self._checksums[name] = (stat.st_size, sink.checksum)
+        self._signatures[name] = _stat_signature(stat)
         _VERIFIED.add(_signature(path, stat, sink.checksum))  # known good: just written
         return name
 
@@ -323,6 +331,25 @@ class ArrowKeyedStateStore(KeyedStateStore):
         table = ipc.open_file(pa.memory_map(str(self.directory / name))).read_all()
         return _Run(name, table, _numpy(table.column(_HASH)),
                     _numpy(table.column(_DELETED)) if table.num_rows else np.zeros(0, bool))
+
+    def unchanged(self) -> bool:
+        """Whether the manifest and every file it names are still the ones this store read or
+        wrote (device, inode, size, mtime, ctime): a store kept open across tasks
+        (``_local_stores``) may serve the next one only then. Another process's write replaces
+        the manifest (a new inode); a file rewritten in place, even with its mtime restored,
+        has a new ctime. A few stat calls, no read."""
+        if not self._signatures:
+            return False  # closed
+        try:
+            return all(_stat_signature(os.stat(self.directory / name)) == signature
+                       for name, signature in self._signatures.items())
+        except OSError:
+            return False
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes of the store's live files (what it maps while open)."""
+        return sum(size for size, _ in self._checksums.values())
 
     # --- lookups ----------------------------------------------------------------------------
 
@@ -672,6 +699,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._segment = self._segment_schema.empty_table()  # releases the memory map
         self._hashes = np.zeros(0, np.uint64)
         self._runs = []
+        self._signatures = {}  # a closed store is never ``unchanged``
 
     def destroy(self) -> None:
         self.close()
@@ -748,17 +776,12 @@ def _file_checksum(path: Path) -> int:
     return checksum
 
 
+def _stat_signature(stat: os.stat_result) -> tuple:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 def _body_checksum(body: dict) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True).encode())
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 @dataclass(frozen=True)

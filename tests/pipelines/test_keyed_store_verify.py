@@ -217,32 +217,6 @@ def test_a_file_is_hashed_once_per_process_while_unchanged(store_dir, monkeypatc
     assert (2, 2, 3) == (first, again, len(hashed))
 
 
-def test_each_file_is_fsynced_before_the_manifest_naming_it(tmp_path, monkeypatch):
-    """The order of a batch's writes: the run's data, then the manifest's temporary file,
-    then the rename, then the directory; so a power loss keeps a manifest only with its
-    files."""
-    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(descriptor):
-        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{descriptor}")).name))
-        real_fsync(descriptor)
-
-    def replace(source, target):
-        events.append(("rename", Path(target).name))
-        real_replace(source, target)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    store.apply(clicks_table({"a": 1}), NO_KEYS, version="v1")
-
-    run = files(tmp_path / "store", "run")[0].name
-    assert [("fsync", run), "manifest temporary", ("rename", "MANIFEST.json"),
-            ("fsync", "store")] == [
-        "manifest temporary" if e[1].startswith(".MANIFEST.json.") else e for e in events]
-
-
 @dataclasses.dataclass(frozen=True)
 class TwoBatchOrders(GeneratedOrders):
     """Two batches per partition: a run costs two batches."""

@@ -153,18 +153,32 @@ class PeakMemory:
         self._thread.join()
 
 
+G1_RETURNS_IDLE_HEAP = "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 " \
+    "-XX:MaxHeapFreeRatio=30"
+"""JVM options under which G1 hands back heap it committed but no longer needs (a collection
+when none ran for 2 s, then at most 30% of the heap free): the JVM's RSS follows its live
+data instead of the most it ever allocated between collections, which varied by 0.9 GB
+between identical 1M-key runs (docs/benchmarks.md, "state_growth: where the memory goes").
+The heap's maximum (``spark.driver.memory``) is unchanged."""
+
+
 def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
-                    maintenance_interval: str = "2s", no_data_batches: bool = True):
+                    maintenance_interval: str = "2s", no_data_batches: bool = True,
+                    driver_java_options: str | None = None):
     """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
     with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
-    benchmarks compare with this, so they build it one way."""
+    benchmarks compare with this, so they build it one way (``driver_java_options``: the
+    driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, for both systems alike)."""
     import sys
 
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
+    builder = SparkSession.builder
+    if driver_java_options:
+        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options)
     return (
-        SparkSession.builder.master("local[2]").appName(app)
+        builder.master("local[2]").appName(app)
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
         .config("spark.ui.enabled", "false")
         .config("spark.driver.memory", "6g")

@@ -89,18 +89,15 @@ def tree_cpu_seconds() -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _process_tree(root: int) -> list[int]:
-    """``root`` and its descendants, from /proc (empty where /proc is not available)."""
-    stats = _proc_stats()
-    return [] if stats is None else _tree_of(root, stats)
-
-
 def tree_memory(root: int) -> tuple[int, int]:
     """(RSS, PSS) in bytes summed over ``root``'s process tree (the JVM, the Python daemon and
     its forked workers). RSS counts pages the forked workers share once per process; PSS
     splits them, so it is the fairer sum for a tree of forks."""
     rss = pss = 0
-    for pid in _process_tree(root):
+    stats = _proc_stats() or {}
+    for pid in _tree_of(root, stats) if stats else []:
+        if _unexeced_spawn(pid, stats):
+            continue
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
@@ -111,6 +108,24 @@ def tree_memory(root: int) -> tuple[int, int]:
         except OSError:
             continue
     return rss, pss
+
+
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
+def _unexeced_spawn(pid: int, stats: dict[int, list[str]]) -> bool:
+    """Whether ``pid`` is a JVM's child that has not run its ``exec`` yet: Java starts
+    processes (e.g. Hadoop's ``chmod`` on a local file system without its native library) by
+    ``posix_spawn``, whose child shares the JVM's memory until it execs, so its RSS and PSS
+    are the JVM's again. Summed, one sample in a few hundred read a JVM twice: a 3.8 GB
+    "peak" in a 1.9 GB run (issue 28, memory)."""
+    parent = int(stats[pid][1]) if pid in stats else 0
+    exe = _exe(pid)
+    return exe is not None and exe.endswith("/java") and exe == _exe(parent)
 
 
 class PeakMemory:
@@ -138,18 +153,32 @@ class PeakMemory:
         self._thread.join()
 
 
+G1_RETURNS_IDLE_HEAP = "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 " \
+    "-XX:MaxHeapFreeRatio=30"
+"""JVM options under which G1 hands back heap it committed but no longer needs (a collection
+when none ran for 2 s, then at most 30% of the heap free): the JVM's RSS follows its live
+data instead of the most it ever allocated between collections, which varied by 0.9 GB
+between identical 1M-key runs (docs/benchmarks.md, "state_growth: where the memory goes").
+The heap's maximum (``spark.driver.memory``) is unchanged."""
+
+
 def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
-                    maintenance_interval: str = "2s", no_data_batches: bool = True):
+                    maintenance_interval: str = "2s", no_data_batches: bool = True,
+                    driver_java_options: str | None = None):
     """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
     with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
-    benchmarks compare with this, so they build it one way."""
+    benchmarks compare with this, so they build it one way (``driver_java_options``: the
+    driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, for both systems alike)."""
     import sys
 
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
+    builder = SparkSession.builder
+    if driver_java_options:
+        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options)
     return (
-        SparkSession.builder.master("local[2]").appName(app)
+        builder.master("local[2]").appName(app)
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
         .config("spark.ui.enabled", "false")
         .config("spark.driver.memory", "6g")

@@ -2,7 +2,8 @@
 (changelog checkpointing), measured as the targets of issue 28 name them.
 
 Systems, each in its own process, interleaved, on the same Parquet batches, checkpoint on
-local disk, ``local[2]``:
+local disk, ``local[2]``, the same session options (the driver JVM's G1 returns idle heap,
+``_common.G1_RETURNS_IDLE_HEAP``):
 
 - ``ss-rocksdb``: Structured Streaming, ``RocksDBStateStoreProvider`` with changelog
   checkpointing; a snapshot every ``--ss-min-deltas`` versions
@@ -66,7 +67,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import PeakMemory, rocksdb_session, tree_cpu_seconds  # noqa: E402
+from _common import (  # noqa: E402
+    G1_RETURNS_IDLE_HEAP,
+    PeakMemory,
+    rocksdb_session,
+    tree_cpu_seconds,
+)
 
 SYSTEMS = ("ss-rocksdb", "ours")
 SHUFFLE_PARTITIONS = 4
@@ -267,8 +273,10 @@ def kind_of(system: str, path: str) -> str:
 
 
 def _spark(app: str, ss_min_deltas: int):
+    # peak RSS measures what each system needs, not how much heap G1 left committed
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
-                           maintenance_interval=SS_MAINTENANCE_INTERVAL)
+                           maintenance_interval=SS_MAINTENANCE_INTERVAL,
+                           driver_java_options=G1_RETURNS_IDLE_HEAP)
 
 
 def _ss_query(spark, feed: Path, checkpoint: Path):

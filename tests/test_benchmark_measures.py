@@ -87,6 +87,45 @@ def test_tree_memory_counts_the_children():
         child.wait()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux /proc only")
+@pytest.mark.timeout(60)
+def test_tree_memory_counts_a_jvm_once_while_it_spawns(tmp_path):
+    """A JVM's child that has not exec'd yet (same executable, same command line) shares the
+    JVM's memory: the tree's RSS counts it once. The "JVM" is a copy of the interpreter named
+    java whose child (a fork standing in for posix_spawn's) sleeps before any exec."""
+    java = tmp_path / "java"
+    java.write_bytes(Path(os.path.realpath(sys.executable)).read_bytes())
+    java.chmod(0o755)
+    code = ("import os, sys, time; sys.path[:0] = " + repr(sys.path) + "; "
+            "b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+            "pid = os.fork(); time.sleep(30)")
+    jvm = subprocess.Popen([str(java), "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while len([p for p in os.listdir("/proc") if p.isdigit() and _parent(p) == jvm.pid]) < 1:
+            assert time.monotonic() < deadline, "the child was never started"
+            time.sleep(0.1)
+        own = _rss_of(jvm.pid)
+        rss, _ = tree_memory(jvm.pid)
+        assert own >= 200 * 2**20 and rss < own * 1.5, (rss, own)
+    finally:
+        jvm.kill()
+        jvm.wait()
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Rss:"))
+
+
 # --- benchmarks/sessions.py ------------------------------------------------------------------
 
 

@@ -26,7 +26,7 @@ reader checks them, so a file of another stage or range is refused instead of mi
 
 import datetime as dt
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,7 @@ __all__ = [
     "read_change_file",
     "read_full_snapshot",
     "rebuild_store",
+    "iter_replay_chains",
     "replay_chains",
     "write_change_file",
     "write_full_snapshot",
@@ -366,6 +367,20 @@ def _verified_bytes(handle: StreamStateHandle, what: str) -> bytes:
 def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
           key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
           read_bytes: ReadBytes | None = None) -> pa.Table:
+    parts = list(_read_row_groups(handle, layout, kind, key_groups, wanted, read_bytes,
+                                  whole=True))
+    return parts[0] if len(parts) == 1 else concat_as(
+        _file_schema(layout, kind, key_groups), parts)
+
+
+def _read_row_groups(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
+                     key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
+                     read_bytes: ReadBytes | None = None, *,
+                     whole: bool = False) -> Iterator[pa.Table]:
+    """The rows of a keyed state file (of ``wanted`` key groups only, if given), one Parquet
+    row group (``_ROW_GROUP_ROWS`` rows) at a time; ``whole``: in one table. The file's bytes
+    are read and verified whole first (they are compressed: a fraction of the rows'
+    size), its identity checked before any row is yielded."""
     what = f"keyed state {kind} file {_describe(handle)}"
     data = _verified_bytes(handle, what) if read_bytes is None else read_bytes(handle)
     try:
@@ -381,22 +396,28 @@ def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
                                     f"{key_groups}: it says {identity}, expected {expected}")
     schema = _file_schema(layout, kind, key_groups)
     narrower = wanted is not None and wanted != key_groups
+    # A file written under an older state schema is converted as it is read (renamed,
+    # added, dropped, widened columns: docs/pipelines.md, "Upgrading a pipeline").
+    present = parquet.schema_arrow.names
+    columns = [n for n in present if n in schema.names or n in layout.renamed]
     try:
-        # A file written under an older state schema is converted as it is read (renamed,
-        # added, dropped, widened columns: docs/pipelines.md, "Upgrading a pipeline").
-        present = parquet.schema_arrow.names
-        columns = [n for n in present if n in schema.names or n in layout.renamed]
-        table = read_parquet(parquet, columns,
-                             _row_groups_of(parquet, wanted) if narrower else None)
-        table = evolve_table(table, schema, layout.renamed, layout.defaults, what)
+        row_groups = (_row_groups_of(parquet, wanted) if narrower
+                      else list(range(parquet.metadata.num_row_groups)))
     except (pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
                                     "checkpoint or a savepoint") from exc
-    if narrower:
-        groups = table.column(KEY_GROUP)
-        table = table.filter(pc.and_(pc.greater_equal(groups, wanted.start),
-                                     pc.less_equal(groups, wanted.end)))
-    return table
+    for part in [row_groups] if whole or not row_groups else [[g] for g in row_groups]:
+        try:
+            table = read_parquet(parquet, columns, part)
+            table = evolve_table(table, schema, layout.renamed, layout.defaults, what)
+        except (pa.ArrowException, ValueError) as exc:
+            raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an "
+                                        "earlier checkpoint or a savepoint") from exc
+        if narrower:
+            groups = table.column(KEY_GROUP)
+            table = table.filter(pc.and_(pc.greater_equal(groups, wanted.start),
+                                         pc.less_equal(groups, wanted.end)))
+        yield table
 
 
 def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:
@@ -473,27 +494,62 @@ def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
     removes it). Rescaling is this with the new task's range: chains are disjoint, so each
     key comes from exactly one chain. ``read_bytes``: how to read a handle (default: its
     ``open()``, which verifies its size and CRC-32; a missing file is a FileNotFoundError,
-    any other failure a KeyedStateFormatError, both naming the file)."""
+    any other failure a KeyedStateFormatError, both naming the file). One table:
+    ``iter_replay_chains`` yields the same rows in bounded parts."""
+    parts = list(iter_replay_chains(chains, layout, wanted, read_bytes=read_bytes))
+    return concat_as(layout.stored_schema, parts) if parts else \
+        layout.stored_schema.empty_table()
+
+
+def iter_replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
+                       wanted: KeyGroupRange, *, read_bytes: ReadBytes | None = None
+                       ) -> Iterator[pa.Table]:
+    """``replay_chains``' rows (stored schema, in its order) in parts of at most one Parquet
+    row group (``_ROW_GROUP_ROWS``): the base, a full snapshot or a chain's first change
+    file, is read one row group at a time, its rows that later changes replaced left out;
+    then the last change per key since. What it holds at once is the chain's changes (read
+    whole: a key's last change may be in any file) plus one row group of the base, not the
+    range's state: a replay of millions of rows (``read_keyed_state``, ``read_state``)
+    stays within a worker's memory."""
     key = list(layout.key)
-    parts = []
     for chain in chains:
         overlap = chain.key_groups.intersection(wanted)
         if not len(overlap):
             continue
-        base, latest = _replay_parts(chain, layout, overlap, read_bytes)
-        if latest is None:
-            parts.append(base)
+        if chain.full_snapshot is not None:
+            base = _read_row_groups(chain.full_snapshot, layout, _FULL_SNAPSHOT,
+                                    chain.key_groups, overlap, read_bytes)
+            changes_after = chain.changes
+        elif chain.changes:
+            # A chain that started empty: its first change file's upserts are the base (each
+            # key once, its deletes no-ops), see _replay_parts
+            base = _read_row_groups(chain.changes[0], layout, _CHANGE, chain.key_groups,
+                                    overlap, read_bytes)
+            changes_after = chain.changes[1:]
+        else:
             continue
-        # by row index: Arrow's joins carry no list columns (e.g. a stage's timers)
-        rows = base.select(key).append_column("__row", pa.array(
-            np.arange(base.num_rows, dtype=np.int64)))
-        kept = base.take(rows.join(latest.select(key), key, join_type="left anti").column(
-            "__row").combine_chunks().sort())
-        upserts = latest.filter(pc.invert(latest.column(DELETED)))
-        parts.append(concat_as(layout.stored_schema, [kept, upserts]))
-    if not parts:
-        return layout.stored_schema.empty_table()
-    return pa.concat_tables(parts)
+        latest = None
+        if changes_after:
+            changes = pa.concat_tables([_read(change, layout, _CHANGE, chain.key_groups,
+                                              overlap, read_bytes) for change in changes_after])
+            latest = changes.take(pa.array(last_per_key(changes, layout.key)))
+            del changes
+        for part in base:
+            if DELETED in part.column_names:  # a first change file's deletes: no-ops
+                part = part.filter(pc.invert(part.column(DELETED)))
+            part = layout.conform(part, _describe(chain.full_snapshot or chain.changes[0]))
+            if latest is not None and latest.num_rows and part.num_rows:
+                # by row index: Arrow's joins carry no list columns (e.g. a stage's timers)
+                rows = part.select(key).append_column("__row", pa.array(
+                    np.arange(part.num_rows, dtype=np.int64)))
+                part = part.take(rows.join(latest.select(key), key, join_type="left anti")
+                                 .column("__row").combine_chunks().sort())
+            if part.num_rows:
+                yield part
+        if latest is not None:
+            upserts = latest.filter(pc.invert(latest.column(DELETED)))
+            for offset in range(0, upserts.num_rows, _ROW_GROUP_ROWS):
+                yield layout.conform(upserts.slice(offset, _ROW_GROUP_ROWS), "changes")
 
 
 def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange,

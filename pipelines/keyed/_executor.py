@@ -17,7 +17,7 @@ from checkpoint_storage import CheckpointStorage, FileSystemCheckpointStorage
 from checkpoint_storage.spi import ByteStreamStateHandle, SubtaskKey, is_appended_segment
 from pipelines.keyed._chain import (
     KeyedStateChain,
-    replay_chains,
+    iter_replay_chains,
     write_change_file,
     write_full_snapshot,
 )
@@ -84,6 +84,15 @@ def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
     return task.stage.name[:64 - len(tail)] + tail
 
 
+def release_arrow_memory() -> None:
+    """Hand the memory Arrow's pool freed back to the operating system. Its allocator
+    (mimalloc, jemalloc) keeps freed pages for reuse, so a Python worker that once held a
+    range's rebuild or merge stays at that high-water mark for every later batch (after a
+    1M-key recovery the two workers held 459 MiB, 381 MiB with the release). Called once a
+    range's work is done: a release of 30 MiB took 0.3 ms, a task ~100 ms."""
+    pa.default_memory_pool().release_unused()
+
+
 def _run_partition(task: KeyedStageTask,
                    batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body after routing: the routing tasks' summaries and the rows of one
@@ -139,6 +148,8 @@ def _run_partition(task: KeyedStageTask,
         raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
                            f"{indices.to_pylist()} reached one task; routing is broken")
     result = _run_range(task, (indices[0],), table.drop_columns([_ROUTE, _ROWS, _NEWEST]))
+    del table, batches
+    release_arrow_memory()
     if result is not None:
         yield from result.to_batches()
 
@@ -338,6 +349,7 @@ def _snapshot_ranges(task: KeyedStageTask, adopt: bool, local_only: bool,
             stats["expired_rows"] = 0  # the snapshot leaves expired rows out
             row = _handle_row(_FULL_SNAPSHOT, operator_index, attempt, handle, written[0],
                               stats)
+            release_arrow_memory()
             yield pa.RecordBatch.from_pylist([row], schema=_RESULT_SCHEMA)
 
 
@@ -351,8 +363,10 @@ def _replay_ranges(task: KeyedStageTask, include_expired: bool,
     for batch in batches:
         for operator_index in batch.column(OPERATOR_INDEX).to_pylist():
             key_groups = task.key_groups(operator_index)
-            state = replay_chains(task.sources(key_groups), layout, key_groups)
-            if cutoff is not None:
-                state = layout.ttl.live(state, cutoff)
-            state = state.select(target.names).cast(target)
-            yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)
+            # part by part: a range's whole state is never in the worker's memory at once
+            for state in iter_replay_chains(task.sources(key_groups), layout, key_groups):
+                if cutoff is not None:
+                    state = layout.ttl.live(state, cutoff)
+                state = state.select(target.names).cast(target)
+                yield from state.to_batches(max_chunksize=_OUTPUT_ROWS_PER_PAYLOAD)
+            release_arrow_memory()

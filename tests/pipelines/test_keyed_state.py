@@ -471,3 +471,87 @@ def test_shared_files_live_exactly_as_long_as_a_retained_checkpoint_references_t
             assert [True, True] == [p.exists() for p in written]
 
     assert [False, False, True] == [p.exists() for p in written]
+
+
+# --- bounded memory: a range's replay holds a row group, not the range ---------------------
+
+REPLAY_ROWS = 600_000  # ~9 row groups of a full snapshot
+
+
+def _large_chain(job: Job, tmp_path: Path) -> tuple[KeyedStateChain, dict[str, int]]:
+    """A full snapshot of ``REPLAY_ROWS`` keys, then a change file (upserts and deletes)."""
+    model = {f"user_{i:07d}": i for i in range(REPLAY_ROWS)}
+    store = ArrowKeyedStateStore(tmp_path / "large", LAYOUT, ALL)
+    store.load(clicks_table(model))
+    snapshot = write_full_snapshot(job.factory, LAYOUT, ALL, store.sorted_batches())
+    changed = {f"user_{i:07d}": -i for i in range(0, REPLAY_ROWS, 97)}
+    gone = {f"user_{i:07d}" for i in range(1, REPLAY_ROWS, 89)} - changed.keys()
+    change = write_change_file(job.factory, LAYOUT, ALL, clicks_table(changed), deletes(gone))
+    model.update(changed)
+    for key in gone:
+        del model[key]
+    return KeyedStateChain(ALL, snapshot, (change,)), model
+
+
+def _arrow_peak(consume) -> int:
+    """The most bytes Arrow's default pool held at once while ``consume()`` ran, above what
+    it held before (a proxy pool counts them: Parquet reads, takes and joins use it)."""
+    previous = pa.default_memory_pool()
+    proxy = pa.proxy_memory_pool(previous)
+    pa.set_memory_pool(proxy)
+    try:
+        consume()
+    finally:
+        pa.set_memory_pool(previous)
+    return proxy.max_memory()
+
+
+def test_replay_holds_a_row_group_at_a_time(job, tmp_path):
+    """The replay of a range yields parts of at most a row group, equal together to the
+    whole replay, and Arrow holds at most half the range's state at once."""
+    from pipelines.keyed._chain import _ROW_GROUP_ROWS, iter_replay_chains
+
+    chain, model = _large_chain(job, tmp_path)
+    whole = replay_chains([chain], LAYOUT, ALL)
+    assert as_model(whole) == model
+    sizes: list[int] = []
+    replayed: dict[str, int] = {}
+
+    def consume() -> None:
+        for part in iter_replay_chains([chain], LAYOUT, ALL):
+            sizes.append(part.num_rows)
+            replayed.update(as_model(part))  # Python objects: the parts are not held
+
+    peak = _arrow_peak(consume)
+    assert replayed == model and sum(sizes) == len(model)
+    assert max(sizes) <= _ROW_GROUP_ROWS
+    assert peak < whole.nbytes / 2, (peak, whole.nbytes)
+
+
+@pytest.mark.timeout(120)
+def test_replay_task_streams_a_range(job, tmp_path):
+    """The executor's replay of a range (``read_keyed_state``'s task body) streams: Arrow
+    holds at most a third of the range's state at once (the whole range before)."""
+    from checkpoint_storage import FileSystemCheckpointStorage as Storage
+    from pipelines.keyed import KeyedResult, KeyedStage
+    from pipelines.keyed._executor import _replay_ranges
+    from pipelines.keyed._routing import OPERATOR_INDEX
+    from pipelines.keyed._task import KeyedStageTask
+
+    chain, model = _large_chain(job, tmp_path)
+    stage = KeyedStage("clicks", "user", SCHEMA,
+                       lambda rows, state: KeyedResult(state, NO_KEYS, state))
+    task = KeyedStageTask(Storage(str(tmp_path / "checkpoints")), job.access.job_id.hex, 2,
+                          job.location.location_reference, stage, SCHEMA, MAX_PARALLELISM, 1,
+                          (chain,), 0)
+    whole = replay_chains([chain], LAYOUT, ALL)
+    rows = [0]
+
+    def consume() -> None:
+        for batch in _replay_ranges(task, False, iter([pa.record_batch({
+                OPERATOR_INDEX: pa.array([0], pa.int32())})])):
+            rows[0] += batch.num_rows
+
+    peak = _arrow_peak(consume)
+    assert rows[0] == len(model)
+    assert peak < whole.nbytes / 2, (peak, whole.nbytes)

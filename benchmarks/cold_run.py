@@ -260,12 +260,14 @@ def spawn(argv: list[str], env: dict | None = None, cwd: Path | None = None) -> 
     return json.loads(lines[-1][len("RESULT ") :]), started, ended
 
 
-def cold_run(base: Path, i: int, seed: Path | None) -> dict:
+def cold_run(base: Path, i: int | str, seed: Path | None) -> dict:
     """One cold run: a fresh Dagster home; the data directory a copy of ``seed``'s (the first
     day landed and checkpointed, so that the run restores it and processes the next day),
-    or empty."""
-    data, home = base / f"cold-{i}" / "data", base / f"cold-{i}" / "home"
+    or empty. Always at the same path, the seed's: a checkpoint records its files' absolute
+    paths, and one copied elsewhere is refused (skipped as invalid: nothing to restore)."""
+    data, home = base / "cold-data", base / f"cold-{i}" / "home"
     home.mkdir(parents=True)
+    shutil.rmtree(data, ignore_errors=True)
     if seed is not None:
         shutil.copytree(seed, data)
     env = os.environ | {"DAGSTER_HOME": str(home), "PIPELINE_DATA_DIR": str(data),
@@ -282,7 +284,7 @@ def checkpoint_files(root: Path) -> dict:
     """The newest completed checkpoint's files: what its ``_metadata`` references (stored
     files, inline states), and all files on disk under ``root``."""
     from checkpoint_storage import FileSystemCheckpointStorage
-    from pipelines import job_id_for
+    from pipelines import SourcePosition, job_id_for
     from pipelines.examples.click_events import NAME
 
     latest = FileSystemCheckpointStorage(str(root)).create_checkpoint_storage(
@@ -294,6 +296,7 @@ def checkpoint_files(root: Path) -> dict:
         stored = {h.path for h in handles if getattr(h, "path", None)}
         result |= {"referenced": len(stored) + 1, "inline": len(handles) - sum(
             1 for h in handles if getattr(h, "path", None))}  # +1: the _metadata file
+        result["partition"] = SourcePosition.of(latest.load_metadata()).partition
     return result
 
 
@@ -355,6 +358,7 @@ def main(argv=None) -> None:
         return
     if args.quick:
         args.pairs, args.days = 1, 1
+    from pipelines.examples.click_events import FIRST_PARTITION
     print(f"cold_run: {args.pairs} pairs, small batch over {args.days} days; load "
           f"{os.getloadavg()}", flush=True)
     checks = []
@@ -363,9 +367,9 @@ def main(argv=None) -> None:
         source = floor_input(base)
         seed = None
         if not args.from_empty:  # untimed: the day before, so that the timed runs restore
-            seed = base / "seed" / "data"
-            cold_run(base / "seed", 0, None)
-            shutil.move(base / "seed" / "cold-0" / "data", seed)
+            seed = base / "seed-data"
+            cold_run(base, "seed", None)
+            shutil.copytree(base / "cold-data", seed)
         cold, floor = [], []
         for i in range(args.pairs):
             pair = (("cold", "floor") if i % 2 == 0 else ("floor", "cold"))
@@ -378,6 +382,11 @@ def main(argv=None) -> None:
                   f"{floor[-1]['wall']:.2f} s; load {os.getloadavg()[0]:.1f}", flush=True)
         if any(c["status"] != 0 for c in cold):
             raise SystemExit("cold_run: a cold run failed (pipelines.main returned non-zero)")
+        # the second day, after the seed's first: not the first again from an empty state
+        day = FIRST_PARTITION if seed is None else (
+            dt.date.fromisoformat(FIRST_PARTITION) + dt.timedelta(days=1)).isoformat()
+        if any(c["files"].get("partition") != day for c in cold):
+            raise SystemExit(f"cold_run: a cold run did not end at {day} (restore refused?)")
         cold_wall = statistics.median(c["wall"] for c in cold)
         floor_wall = statistics.median(f["wall"] for f in floor)
         ratio = cold_wall / floor_wall

@@ -411,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     status = 0
     if partitions:
+        # The JVM starts while Dagster prepares the run; the run's resource takes the session.
+        defs.resources["spark"].start()
         job = defs.resolve_job_def(f"{NAME}_job")
         global _interrupt
         run_id = str(uuid.uuid4())

@@ -24,6 +24,9 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "8",
     "spark.ui.showConsoleProgress": "false",
     "spark.log.level": "WARN",
+    # Spark's Python worker daemon, without the BrokenPipeError traceback that a worker of a
+    # cancelled task (Ctrl-C in scripts/run) printed on the console (resources/_daemon.py).
+    "spark.python.daemon.module": "resources._daemon",
 }
 """Settings this project's pipelines rely on; a ``SparkResource``'s ``conf`` overrides them."""
 

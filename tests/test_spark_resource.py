@@ -47,3 +47,42 @@ def test_a_session_started_in_the_background_is_handed_out_and_stopped_as_its_ow
              if ln.startswith(("taken", "stopped", "raised"))]
     assert ["taken [] 3 True", "stopped True", "raised True"] == lines, (
         done.stdout[-2000:] + done.stderr[-2000:])
+
+
+_DAEMON_CHILD = textwrap.dedent("""
+    import os
+    import socket
+
+    os.environ["PYTHON_DAEMON_KILL_WORKER_ON_FLUSH_FAILURE"] = "true"  # Spark's default
+    import pyspark.daemon
+
+    original = pyspark.daemon.worker
+    import resources._daemon as daemon
+
+    def closed():
+        worker_end, jvm_end = socket.socketpair()
+        jvm_end.close()  # the JVM closed the socket of a cancelled task
+        return worker_end
+
+    try:
+        print("pyspark", original(closed(), True), flush=True)
+    except BrokenPipeError:
+        print("pyspark raises BrokenPipeError", flush=True)
+    print("ours", daemon.worker(closed(), True), pyspark.daemon.worker is daemon.worker,
+          flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_ends_a_worker_whose_socket_the_jvm_closed_without_a_traceback():
+    """Ctrl-C in scripts/run cancels tasks while their Python workers run: pyspark's daemon
+    raised the worker's failed last flush (printed as a BrokenPipeError traceback on the
+    console); the sessions' daemon module ends that worker as failed (1), quietly."""
+    from resources import DEFAULT_SPARK_CONF
+
+    assert "resources._daemon" == DEFAULT_SPARK_CONF["spark.python.daemon.module"]
+    done = subprocess.run([sys.executable, "-c", _DAEMON_CHILD], capture_output=True, text=True,
+                          timeout=100)
+    assert ["pyspark raises BrokenPipeError", "ours 1 True"] == done.stdout.splitlines(), (
+        done.stdout[-2000:] + done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -291,4 +291,18 @@ def store_state(store) -> dict[str, int]:
 
 
 # by value: Spark's Python workers need not import the tests package
+
+CLICK_COUNT_STATE = pa.schema([pa.field("user", pa.string(), nullable=False),
+                               ("clicks", pa.int64())])
+
+
+def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
+    """A keyed stage's function: clicks per user, the running count its output."""
+    counts = input.group_by("user").aggregate([([], "count_all")])
+    joined = counts.join(state, "user", join_type="left outer")
+    clicks = pc.add(joined.column("count_all"), pc.fill_null(joined.column("clicks"), 0))
+    upserts = pa.table({"user": joined.column("user"), "clicks": clicks})
+    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}), upserts)
+
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -9,14 +9,12 @@ import threading
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 from pyspark import cloudpickle
 
 from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from pipelines.keyed import (
     ArrowKeyedStateStore,
-    KeyedResult,
     KeyedStage,
     KeyedStageTask,
     KeyedStateChain,
@@ -28,19 +26,13 @@ from pipelines.keyed import (
 )
 from pipelines.keyed import _local_stores as local_stores
 from pipelines.keyed._local_stores import _locked_store, forget_open_stores
-from tests.pipelines.support import InjectedFault, as_model
+from tests.pipelines.support import CLICK_COUNT_STATE, InjectedFault, as_model, count_clicks
 
 MAX_PARALLELISM = 8
-STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
+STATE = CLICK_COUNT_STATE
 BATCHES = [["ann", "bob", "ann", "cid"], ["bob", "eve", "ann", "fay", "gus", "gus"]]
 
 
-def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
-    counts = input.group_by("user").aggregate([([], "count_all")])
-    joined = counts.join(state, "user", join_type="left outer")
-    clicks = pc.add(joined.column("count_all"), pc.fill_null(joined.column("clicks"), 0))
-    upserts = pa.table({"user": joined.column("user"), "clicks": clicks})
-    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}), upserts)
 
 
 # Spark's workers cannot import this test module: its functions travel by value

@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 from pyspark import cloudpickle
 
@@ -40,9 +39,10 @@ from pipelines.keyed import (
     sweep_idle_stores,
 )
 from pipelines.keyed._local_stores import _Locked, sweep_other_ranges
+from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks
 
 MAX_PARALLELISM = 8
-STATE = pa.schema([pa.field("user", pa.string(), nullable=False), ("clicks", pa.int64())])
+STATE = CLICK_COUNT_STATE
 OUTPUT = pa.schema([("user", pa.string()), ("clicks", pa.int64())])
 ALL = KeyGroupRange(0, MAX_PARALLELISM - 1)
 BATCHES = [
@@ -53,12 +53,6 @@ BATCHES = [
 ]
 
 
-def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
-    counts = input.group_by("user").aggregate([([], "count_all")])
-    joined = counts.join(state, "user", join_type="left outer")
-    clicks = pc.add(joined.column("count_all"), pc.fill_null(joined.column("clicks"), 0))
-    upserts = pa.table({"user": joined.column("user"), "clicks": clicks})
-    return KeyedResult(upserts, pa.table({"user": pa.array([], pa.string())}), upserts)
 
 
 # Spark's workers cannot import this test module: ship its functions by value, as a user's

@@ -24,11 +24,26 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "8",
     "spark.ui.showConsoleProgress": "false",
     "spark.log.level": "WARN",
-    # Spark's Python worker daemon, without the BrokenPipeError traceback that a worker of a
-    # cancelled task (Ctrl-C in scripts/run) printed on the console (resources/_daemon.py).
-    "spark.python.daemon.module": "resources._daemon",
 }
 """Settings this project's pipelines rely on; a ``SparkResource``'s ``conf`` overrides them."""
+
+LOCAL_SPARK_CONF: dict[str, str] = {
+    # Spark's Python worker daemon, without the BrokenPipeError traceback that a worker of a
+    # cancelled task (Ctrl-C in scripts/run) printed on the console (resources/_daemon.py).
+    # Local masters only: a cluster's daemon starts before the project's shipped files are on
+    # its path, and would import this project as installed on the executor, if at all.
+    "spark.python.daemon.module": "resources._daemon",
+}
+"""Added to ``DEFAULT_SPARK_CONF`` on a ``local`` master, where the workers run the driver's
+Python environment."""
+
+
+def session_settings(master: str, conf: dict | None = None) -> dict[str, str]:
+    """What ``build_spark_session`` sets: the defaults (and, on a local master, the local
+    ones), the driver's interpreter for the Python workers, then ``conf``."""
+    local = LOCAL_SPARK_CONF if master.startswith("local") else {}
+    return (DEFAULT_SPARK_CONF | local | {"spark.pyspark.python": sys.executable}
+            | {k: str(v) for k, v in (conf or {}).items()})
 
 
 def build_spark_session(
@@ -39,7 +54,7 @@ def build_spark_session(
     Python workers run this interpreter unless ``spark.pyspark.python`` says otherwise, so
     that executors have the project's packages (pyarrow, fsspec, checkpoint_storage).
     """
-    settings = DEFAULT_SPARK_CONF | {"spark.pyspark.python": sys.executable} | dict(conf or {})
+    settings = session_settings(master, conf)
     # Local-mode workers are forked from this process and read the environment variable.
     os.environ.setdefault("PYSPARK_PYTHON", settings["spark.pyspark.python"])
     builder = SparkSession.builder.master(master).appName(app_name)

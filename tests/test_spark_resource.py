@@ -78,11 +78,23 @@ def test_the_daemon_ends_a_worker_whose_socket_the_jvm_closed_without_a_tracebac
     """Ctrl-C in scripts/run cancels tasks while their Python workers run: pyspark's daemon
     raised the worker's failed last flush (printed as a BrokenPipeError traceback on the
     console); the sessions' daemon module ends that worker as failed (1), quietly."""
-    from resources import DEFAULT_SPARK_CONF
+    from resources.spark import session_settings
 
-    assert "resources._daemon" == DEFAULT_SPARK_CONF["spark.python.daemon.module"]
+    assert "resources._daemon" == session_settings("local[2]")["spark.python.daemon.module"]
     done = subprocess.run([sys.executable, "-c", _DAEMON_CHILD], capture_output=True, text=True,
                           timeout=100)
     assert ["pyspark raises BrokenPipeError", "ours 1 True"] == done.stdout.splitlines(), (
         done.stdout[-2000:] + done.stderr[-2000:])
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_daemon_module_is_set_on_local_masters_only():
+    """A cluster's Python daemon starts before the files a job ships (``pyFiles``) are on its
+    path: a daemon module of this project would import it as installed on the executor (or
+    fail where it is not), so a cluster master keeps pyspark's daemon."""
+    from resources.spark import session_settings
+
+    daemon = "spark.python.daemon.module"
+    assert "resources._daemon" == session_settings("local[*]")[daemon]
+    assert daemon not in session_settings("spark://127.0.0.1:7077")
+    assert "mine" == session_settings("local[2]", {daemon: "mine"})[daemon]

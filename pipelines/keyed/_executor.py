@@ -170,7 +170,7 @@ def _run_range(task: KeyedStageTask, group_key: tuple, table: pa.Table) -> pa.Ta
     cutoff = None if stage.ttl is None else stage.ttl.cutoff(task.now)
     sweep_other_ranges(task)
     if task.local_max_age is not None:
-        sweep_idle_stores(_local_root(task), task.local_max_age, keep=directory)
+        sweep_idle_stores(_local_root(task.local_dir), task.local_max_age, keep=directory)
     hidden = [c for c in (WRITTEN_AT, TIMERS) if c in layout.stored_schema.names]
     with _locked_store(task, key_groups, directory, stats) as store:
         outputs = []

@@ -55,12 +55,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _local_root(task: KeyedStageTask) -> Path:
-    """The directory holding every job's local stores on an executor."""
-    return _root_of(task.local_dir)
-
-
-def _root_of(local_dir: str | None) -> Path:
+def _local_root(local_dir: str | None) -> Path:
+    """The directory holding every job's local stores on an executor (``local_dir``: the
+    task's ``local_dir``)."""
     return Path(local_dir or tempfile.gettempdir()) / "pipelines-keyed"
 
 
@@ -74,7 +71,7 @@ def store_directory(local_dir: str | None, job_id: str, stage: str, max_parallel
                     key_groups: KeyGroupRange) -> Path:
     """``local_store_directory`` without a task: the store a task of ``job_id`` (hex) with
     these settings opens on a machine whose executors use ``local_dir``."""
-    return (_root_of(local_dir) / job_id / stage
+    return (_local_root(local_dir) / job_id / stage
             / f"m{max_parallelism}-kg{key_groups.start}-{key_groups.end}")
 
 

@@ -762,8 +762,7 @@ def forget_verified_files() -> None:
 
 def _signature(path: Path, stat: os.stat_result, checksum: int) -> tuple:
     # ctime too: a write that restores the mtime (os.utime) cannot restore it
-    return (str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns,
-            stat.st_ctime_ns, checksum)
+    return (str(path), *_stat_signature(stat), checksum)
 
 
 def _file_checksum(path: Path) -> int:

@@ -12,6 +12,11 @@ Exactly once: state is versioned by source position, ``(partition, batches appli
 complete)``. Processing partition P needs the state after the partition before P (or a
 checkpoint inside P); the runner restores the newest such snapshot and replays only the
 batches after it. Sinks write per partition (and batch) idempotently, so replays replace.
+
+This module is the runner itself (construction, lease, the run loop, applying a batch); its
+restore is ``pipelines._restore``, its checkpoint and savepoint writing
+``pipelines._checkpointing`` (both mixins of ``StatefulRunner``), what it reports and raises
+``pipelines._results``.
 """
 
 import datetime as dt

@@ -31,6 +31,7 @@ Targets: cold run <= 1.5x the floor; small batch <= 1.5x SS's.
 
 import argparse
 import datetime as dt
+import inspect
 import json
 import os
 import shutil
@@ -112,7 +113,9 @@ def child_cold(args) -> None:
     stamps.wrap(runner.StatefulRunner, "_starting_point", "restore")
     stamps.wrap(runner.StatefulRunner, "_apply_batch", "batches")
     stamps.wrap(runner.StatefulRunner, "checkpoint", "checkpoint write")
-    stamps.wrap(runner, "store_checkpoint_metadata", "_metadata")
+    # where the runner's `_snapshot` writes `_metadata` (a module of its own)
+    stamps.wrap(inspect.getmodule(runner.StatefulRunner._snapshot), "store_checkpoint_metadata",
+                "_metadata")
     stamps.wrap(dg.JobDefinition, "execute_in_process", "Dagster run (setup, events, sink)")
     status = pipelines.main.main(["--days", "1"])
     ended = time.time()

@@ -20,6 +20,12 @@ from checkpoint_storage._gc import GarbageCollectionResult, collect_garbage
 from checkpoint_storage._ids import JobID
 from checkpoint_storage._lazy import lazy_names
 from checkpoint_storage._lease import LeaseRecord, break_job_lease, read_job_lease
+from checkpoint_storage._listing import (
+    CheckpointInfo,
+    latest_checkpoint,
+    list_checkpoints,
+    list_checkpoints_below,
+)
 from checkpoint_storage._metadata import CheckpointMetadata, load_checkpoint_metadata
 from checkpoint_storage._metadata_json import metadata_as_json
 from checkpoint_storage._retention import CheckpointRetentionPolicy, RestoreMode
@@ -29,14 +35,10 @@ from checkpoint_storage._storage import (
     MemoryCheckpointStorage,
 )
 from checkpoint_storage._tools import (
-    CheckpointInfo,
     VerificationProblem,
     VerificationReport,
     copy_savepoint,
     dispose_savepoint,
-    latest_checkpoint,
-    list_checkpoints,
-    list_checkpoints_below,
     verify_checkpoint,
 )
 from checkpoint_storage.exceptions import (

@@ -107,6 +107,7 @@ from checkpoint_storage._handles import (
 )
 from checkpoint_storage._lazy import lazy_names
 from checkpoint_storage._lease import DEFAULT_LEASE_TTL, JobLease, default_lease_owner
+from checkpoint_storage._listing import job_storage
 from checkpoint_storage._locations import (
     CheckpointMetadataOutputStream,
     CheckpointStorageLocation,
@@ -155,7 +156,6 @@ from checkpoint_storage._store import (
 from checkpoint_storage._streams import CheckpointStateOutputStream, CheckpointStreamFactory
 from checkpoint_storage._tools import (
     corruption_of,
-    job_storage,
     snapshot_kind,
     verify_state_handles,
 )

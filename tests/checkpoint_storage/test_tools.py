@@ -24,13 +24,15 @@ from checkpoint_storage import (
     load_checkpoint_metadata,
     verify_state_handles,
 )
-from checkpoint_storage._tools import (
+from checkpoint_storage._listing import (
     CheckpointInfo,
-    copy_savepoint,
-    dispose_savepoint,
     latest_checkpoint,
     list_checkpoints,
     modification_time,
+)
+from checkpoint_storage._tools import (
+    copy_savepoint,
+    dispose_savepoint,
     verify_checkpoint,
 )
 from tests.support import SHARED, finalize, fs_of, metadata, payload, read, write_state

@@ -79,12 +79,14 @@ def test_a_stage_kind_must_implement_the_runners_interface():
 
 
 def test_the_runner_never_asks_which_kind_of_stage_it_runs():
-    """No ``isinstance`` on a stage or its state in the runner: it calls the kind."""
-    tree = ast.parse((ROOT / "pipelines" / "runner.py").read_text())
+    """No ``isinstance`` on a stage or its state in the runner (its module and the modules of
+    its restore and checkpoint writing): it calls the kind."""
+    modules = ("runner.py", "_restore.py", "_checkpointing.py")
     kinds = {"Stage", "KeyedStage", "KeyedStageState", "DataFrame", "StageKind"}
     asked = [
-        (node.lineno, ast.unparse(node))
-        for node in ast.walk(tree)
+        (module, node.lineno, ast.unparse(node))
+        for module in modules
+        for node in ast.walk(ast.parse((ROOT / "pipelines" / module).read_text()))
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
         and kinds & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
     ]

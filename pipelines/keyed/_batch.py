@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, fields
 from functools import partial
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
@@ -45,7 +44,6 @@ from pipelines.keyed._task import (
     _SUMMARY,
     KeyedRangeResult,
     KeyedStageTask,
-    _context,
 )
 
 __all__ = [
@@ -132,54 +130,23 @@ def _kind_in(*kinds: str, negated: bool = False) -> str:
     return f"row_kind {'NOT ' * negated}IN ({', '.join(repr(k) for k in kinds)})"
 
 
-WHOLE_INPUT_RANGES = 4
-"""Up to this many ranges, a keyed batch is one Spark stage: each range's task reads the
-whole batch and routes it itself, keeping its own rows (no routing stage, no shuffle of the
-rows: at 1M keys and 1% changed, most of a batch's wall besides the ranges' own work). More
-ranges route by a shuffle, which reads the batch once whatever the number of ranges."""
-
-
-def _route_and_run(task: KeyedStageTask, routes: tuple[int, ...], input: pa.Schema,
-                   operator_index: int,
-                   batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` body of range ``operator_index``'s task over the whole batch: route
-    every row (and the batch's summary) as a routing task does, keep the rows of this range's
-    route, as the shuffle would deliver them, and run the range on them."""
-    partition, _ = _context()
-    if partition != operator_index:
-        raise RuntimeError(f"keyed stage {task.stage.name}: range {operator_index}'s input "
-                           f"reached Spark partition {partition}; routing is broken")
-    route = pa.scalar(routes[operator_index], pa.int32())
-    routed = (batch.filter(pc.equal(batch.column(_ROUTE), route))
-              for batch in _operator_indices(task, routes, input, batches))
-    yield from _run_partition(task, routed)
-
-
-_PASS_SETTINGS = {
-    "spark.sql.adaptive.enabled": "false",
-    "spark.sql.unionOutputPartitioning": "false",
-}
+_ADAPTIVE = "spark.sql.adaptive.enabled"
 
 
 @contextlib.contextmanager
 def _one_job_per_pass(spark: SparkSession) -> Iterator[None]:
-    """Plan and run a keyed batch's pass without adaptive execution: with it, a pass that
-    routes by a shuffle is three Spark jobs (the routing shuffle's map stage, the persisted
-    ranges, the collect), each a scheduling round trip that a small batch pays in full;
-    without it, one job. Adaptive execution has nothing to adapt here:
-    ``repartition(n, column)`` is never coalesced, and the ranges' tasks have no join or
-    aggregate. And without a union's output partitioning: the ranges of a one-stage pass
-    are a union of single partitions, which it would merge into one task. The settings are
-    the session's, restored at once (the persisted pass's RDD is made inside); the runner
-    plans one batch at a time."""
-    previous = {key: spark.conf.get(key) for key in _PASS_SETTINGS}
-    for key, value in _PASS_SETTINGS.items():
-        spark.conf.set(key, value)
+    """Plan and run a keyed batch's pass without adaptive execution: with it, the pass is
+    three Spark jobs (the routing shuffle's map stage, the persisted ranges, the collect),
+    each a scheduling round trip that a small batch pays in full; without it, one job of
+    two stages. Adaptive execution has nothing to adapt here: ``repartition(n, column)``
+    is never coalesced, and the ranges' tasks have no join or aggregate. The setting is
+    the session's, restored at once; the runner plans one batch at a time."""
+    previous = spark.conf.get(_ADAPTIVE)
+    spark.conf.set(_ADAPTIVE, "false")
     try:
         yield
     finally:
-        for key, value in previous.items():
-            spark.conf.set(key, value)
+        spark.conf.set(_ADAPTIVE, previous)
 
 
 def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
@@ -216,31 +183,19 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     # Here, before the batch's Spark job: a key of another type would fail in every range's
     # task, or worse, be cast into another key.
     task.stage.check_key_types(input_schema, "the input's")
+    routed_type = T.StructType([
+        *(T.StructField(f.name, f.dataType, True, f.metadata) for f in input.schema.fields),
+        *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])
     routes = _routes(task.parallelism)
-    result_type = from_arrow_schema(_RESULT_SCHEMA)
+    routed = input.mapInArrow(partial(_operator_indices, task, routes, input_schema),
+                              routed_type)
+    # One Spark task per range: repartition(n, column) is never coalesced by adaptive
+    # execution, and each range's route hashes to its own partition.
     with _one_job_per_pass(input.sparkSession):
         # the persisted plan is made here, so the later reads of the output use it too
-        if task.parallelism <= WHOLE_INPUT_RANGES:
-            # One stage: each range's task reads the whole batch and keeps its own rows
-            # (union partition i is range i's input, coalesced into one task).
-            whole = input.coalesce(1)
-            ranges = [whole.mapInArrow(partial(_route_and_run, task, routes, input_schema, i),
-                                       result_type) for i in range(task.parallelism)]
-            cached = ranges[0]
-            for frame in ranges[1:]:
-                cached = cached.union(frame)
-        else:
-            # One Spark task per range: repartition(n, column) is never coalesced by
-            # adaptive execution, and each range's route hashes to its own partition.
-            routed_type = T.StructType([
-                *(T.StructField(f.name, f.dataType, True, f.metadata)
-                  for f in input.schema.fields),
-                *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])
-            routed = input.mapInArrow(partial(_operator_indices, task, routes, input_schema),
-                                      routed_type)
-            cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
-                partial(_run_partition, task), result_type)
-        cached = cached.persist(StorageLevel.MEMORY_AND_DISK)
+        cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
+            partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
+        ).persist(StorageLevel.MEMORY_AND_DISK)
         try:
             # the handle and summary rows carry no payload: nothing to drop
             handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()

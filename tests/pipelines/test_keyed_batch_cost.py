@@ -22,11 +22,8 @@ from pipelines.keyed import (
     _store,
     apply_keyed_batch,
     compute_key_group_range_for_operator_index,
-    extend_chains,
     local_store_directory,
-    read_keyed_state,
 )
-from pipelines.keyed import _batch as keyed_batch
 from pipelines.keyed import _local_stores as local_stores
 from pipelines.keyed._local_stores import _locked_store, forget_open_stores
 from tests.pipelines.support import CLICK_COUNT_STATE, InjectedFault, as_model, count_clicks
@@ -243,76 +240,3 @@ def test_planning_a_keyed_batch_takes_few_py4j_round_trips(spark, tmp_path, monk
 
 
 BATCH_PY4J_CALLS = 150  # 132 measured (Spark 4, py4j); 211 with Column expressions
-
-
-def frame_of(spark, users: list[str], partitions: int):
-    """The users as a DataFrame of ``partitions`` partitions, read by one stage (no shuffle)."""
-    rows = spark.sparkContext.parallelize([(u,) for u in users], partitions)
-    return spark.createDataFrame(rows, "user string")
-
-
-def run_batches(spark, job: Job, partitions: int) -> tuple[list, dict[str, int]]:
-    """Every batch of ``BATCHES`` (its rows in ``partitions`` input partitions) through
-    ``apply_keyed_batch``, the chains extended: each batch's input rows, output and range
-    results, and the state after the last."""
-    seen = []
-    for batch, users in enumerate(BATCHES):
-        frame = frame_of(spark, users, partitions)
-        result = apply_keyed_batch(frame, job.task(batch))
-        output = as_model(result.output.toArrow())
-        seen.append((result.input_rows, output,
-                     [(r.operator_index, r.kind, r.input_rows, r.state_rows)
-                      for r in result.ranges]))
-        job.chains = extend_chains(job.chains, result.ranges)
-        result.release()
-    return seen, as_model(read_keyed_state(spark, job.task(len(BATCHES))).toArrow())
-
-
-@pytest.mark.timeout(300)
-def test_a_keyed_batch_is_one_spark_stage(spark, tmp_path):
-    """Each range's task reads the whole batch and keeps its own rows: no routing stage and
-    no shuffle of the rows before the ranges run (at 1M keys and 1% changed, a third of the
-    batch's wall). One Spark task per range all the same."""
-    job = Job(tmp_path, 2)
-    job.run(spark, 0)
-    tracker = spark.sparkContext.statusTracker()
-    frame = frame_of(spark, BATCHES[1], 3)
-    task = job.task(1)
-    spark.sparkContext.setJobGroup("one-stage", "a keyed batch")
-    try:
-        result = apply_keyed_batch(frame, task)
-    finally:
-        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
-    result.release()
-    jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup("one-stage")]
-    stages = [tracker.getStageInfo(s) for j in jobs for s in j.stageIds]
-    ran = [s for s in stages if s is not None and s.numCompletedTasks]
-    assert (1, 1, [2]) == (len(jobs), len(ran), [s.numTasks for s in ran])
-    assert [0, 1] == [r.operator_index for r in result.ranges]
-
-
-@pytest.mark.timeout(300)
-def test_the_one_stage_and_the_shuffle_pass_give_the_same_batches(spark, tmp_path,
-                                                                   monkeypatch):
-    """Above ``WHOLE_INPUT_RANGES`` ranges a batch is routed by a shuffle (the batch read
-    once): both passes give the same output, ranges and state, whatever the input's
-    partitions."""
-    one_stage = run_batches(spark, Job(tmp_path / "one", 2), 3)
-    monkeypatch.setattr(keyed_batch, "WHOLE_INPUT_RANGES", 0)
-    shuffled = run_batches(spark, Job(tmp_path / "shuffled", 2), 3)
-    assert shuffled == one_stage
-    assert {"ann": 3, "bob": 2, "cid": 1, "eve": 1, "fay": 1, "gus": 2} == one_stage[1]
-
-
-@pytest.mark.timeout(300)
-def test_ranges_merged_into_one_task_are_refused(spark, tmp_path, monkeypatch):
-    """Were the ranges' union merged into one Spark partition (Spark's union output
-    partitioning, which the pass turns off), one task would get every range's input: its
-    ranges refuse it, and no batch is reported."""
-    monkeypatch.setattr(keyed_batch, "_PASS_SETTINGS",
-                        {"spark.sql.adaptive.enabled": "false",
-                         "spark.sql.unionOutputPartitioning": "true"})
-    job = Job(tmp_path, 2)
-    frame = spark.createDataFrame([(u,) for u in BATCHES[0]], "user string").coalesce(1)
-    with pytest.raises(Exception, match="routing is broken"):
-        apply_keyed_batch(frame, job.task(0))

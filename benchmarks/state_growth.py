@@ -38,11 +38,11 @@ Per system and S:
 With more than one S, ours' growth at ``GROWTH_CHANGED`` changed keys per batch from the
 smallest to the largest S (batch wall ratio) is measured in extra runs: the median of the
 steady batches, ``GROWTH_BATCHES`` after the initial state less the first ``GROWTH_WARMUP``.
-Those first batches pay, once, for the initial state's size, not for the batch's: each Python
-worker hashes (CRC-32) the segment the other worker wrote (the ranges' tasks swap workers;
-236 MB per range at 8M keys), and the operating system writes back the ~0.7 GB the initial
-state left dirty at 8M (local stores, checkpoint, shuffle files) while they run. At 8M they
-took 2-4x the later batches, so a median of 10 batches measured them, not the steady batch.
+Those first batches pay, once, for the initial state's size, not for the batch's: the operating
+system writes back the ~0.7 GB the initial state left dirty at 8M (local stores, checkpoint,
+shuffle files) while they run, and until the workers of an executor shared verified files,
+each Python worker hashed (CRC-32) the 236 MB segment the other had written. At 8M they took
+2-4x the later batches, so a median of 10 batches measured them, not the steady batch.
 Their walls are printed too (``warm-up``), so nothing is hidden.
 
     python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]

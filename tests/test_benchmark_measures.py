@@ -52,6 +52,17 @@ def test_written_bytes_are_new_files_and_growth():
     assert {"b": 3, "c": 4} == sg.written_between(before, after)
 
 
+def test_growth_is_the_median_of_the_steady_batches_after_the_warm_up():
+    """The first batches after the initial state (2-4x the later ones at 8M keys) are left
+    out of the growth median, and too few batches to leave any is an error, not a figure."""
+    walls = [3.06, 2.25, 2.33, 1.93, 0.89, 0.92, 0.77, 0.62, 0.8, 0.8, 0.64]
+
+    assert 0.8 == sg.steady_wall(walls, warmup=4)
+    assert sg.GROWTH_BATCHES - sg.GROWTH_WARMUP >= 20
+    with pytest.raises(ValueError, match="none after the 4 warm-up"):
+        sg.steady_wall(walls[:4], warmup=4)
+
+
 def test_chains_reset_at_a_snapshot_and_choose_the_worst_and_best_points():
     ours = sg.Chains()
     lengths = []

@@ -26,10 +26,17 @@ each of these fails that check (or opens as an older ``version``, which the call
 the checkpoint, not the store, is what is durable. Hashing a file costs
 about 0.2 s per GB (zlib's CRC-32 reads at ~6 GB/s here), once per process: a file verified, or
 written, by this process is remembered by its (path, device, inode, size, mtime, ctime,
-checksum) and not hashed again while those hold.
+checksum) and not hashed again while those hold. The processes of one executor share this:
+the manifest records which files its writer verified or wrote and their (device, inode, size,
+mtime, ctime), with the writer's executor (the parent process, e.g. Spark's Python daemon that
+forks the workers, and the machine's boot id); a sibling worker takes a file whose stat still
+matches as verified. A range's task runs in either worker, so without it each worker hashed
+the segment the other had just written (236 MB a range at 8M keys). A power loss reboots (a
+new boot id), a write changes the ctime: either way the file is hashed again.
 """
 
 import base64
+import functools
 import json
 import os
 import re
@@ -207,7 +214,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
                                    "offsets": self._offsets.tolist(),
                                    "runs": [run.name for run in self._runs],
                                    "files": {n: list(self._checksums[n]) for n in live},
-                                   "version": self._version, "rows": self._rows}
+                                   "version": self._version, "rows": self._rows,
+                                   "verified": self._claims(live)}
         text = json.dumps({"body": body, "crc32": _body_checksum(body)}).encode()
         temporary = self.directory / f".{_MANIFEST}.{uuid.uuid4().hex}"
         with open(temporary, "wb") as file:
@@ -217,6 +225,20 @@ class ArrowKeyedStateStore(KeyedStateStore):
         # opens it, so a power loss costs a rebuild, never wrong state (docs/design.md, 7.3)
         self._signatures = {n: self._signatures[n] for n in live}
         self._signatures[_MANIFEST] = _stat_signature(os.stat(self.directory / _MANIFEST))
+
+    def _claims(self, live: list[str]) -> dict | None:
+        """For the manifest: the live files this process verified or wrote, by their stat
+        signature, for the sibling processes of its executor (``_verify``); None outside one."""
+        executor = _executor_identity()
+        if executor is None:
+            return None
+        files = {}
+        for name in live:
+            stat = self._signatures.get(name)
+            if stat is not None and _VERIFIED.holds(
+                    (str(self.directory / name), *stat, self._checksums[name][1])):
+                files[name] = list(stat)
+        return {"executor": executor, "pid": os.getpid(), "files": files}
 
     def _read_manifest(self, manifest: Path) -> dict:
         """The manifest's body, its checksum checked; a v2 manifest (no checksums) refused."""
@@ -258,10 +280,11 @@ class ArrowKeyedStateStore(KeyedStateStore):
             raise LocalStoreError(f"local store {self.directory} holds other state (its "
                                   f"{', '.join(differs)} differ); rebuild it")
         self._version = body["version"]
+        claimed = _siblings_claims(body.get("verified"))
         try:
             # checked before Arrow parses them: a damaged file is never read as state
             for name in [segment_file] * (segment_file is not None) + run_files:
-                self._verify(name, checksums)
+                self._verify(name, checksums, claimed)
             self._checksums = checksums
             if segment_file is not None:
                 self._map_segment(segment_file, offsets)
@@ -274,9 +297,11 @@ class ArrowKeyedStateStore(KeyedStateStore):
             if leftover.name not in live and leftover.name.startswith(_PREFIXES):
                 leftover.unlink()
 
-    def _verify(self, name: str, checksums: dict[str, tuple[int, int]]) -> None:
+    def _verify(self, name: str, checksums: dict[str, tuple[int, int]],
+                claimed: dict[str, list] | None = None) -> None:
         """Check that the store file ``name`` has the size and CRC-32 the manifest recorded
-        (the checksum once per process while the file's inode and times hold)."""
+        (the checksum once per executor while the file's inode and times hold: ``claimed``,
+        the stat signatures of the files a sibling process verified or wrote)."""
         path = self.directory / name
         if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name not in checksums:
             raise LocalStoreError(f"the manifest names {name!r}, not a store file it recorded "
@@ -292,6 +317,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         signature = _signature(path, stat, checksum)
         self._signatures[name] = _stat_signature(stat)
         if not self.verify or _VERIFIED.holds(signature):
+            return
+        if claimed and claimed.get(name) == list(self._signatures[name]):
+            _VERIFIED.add(signature)  # a sibling hashed or wrote this very file
             return
         actual = _file_checksum(path)
         if actual != checksum:
@@ -763,6 +791,38 @@ def forget_verified_files() -> None:
 def _signature(path: Path, stat: os.stat_result, checksum: int) -> tuple:
     # ctime too: a write that restores the mtime (os.utime) cannot restore it
     return (str(path), *_stat_signature(stat), checksum)
+
+
+@functools.cache
+def _executor_of(parent: int) -> str | None:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{parent}/stat").read_text()
+        started = stat[stat.rindex(")") + 2:].split()[19]  # field 22: the start time
+    except (OSError, ValueError, IndexError):
+        return None  # no /proc (not Linux): each process hashes what it did not write
+    return f"{boot}/{parent}/{started}"
+
+
+def _executor_identity() -> str | None:
+    """The executor whose processes share verified files: this process's parent (the Python
+    daemon that forks Spark's workers) by pid and start time, in this boot of the machine.
+    None for an orphan (its parent gone) or without /proc."""
+    parent = os.getppid()
+    return None if parent <= 1 else _executor_of(parent)
+
+
+def _siblings_claims(verified) -> dict[str, list] | None:
+    """The stat signatures of the files a manifest's writer verified or wrote, if it was
+    another process of this executor (its own claims this process remembers, or forgot on
+    purpose: ``forget_verified_files``); None if not, or if the record is not one."""
+    try:
+        if (verified["executor"] is None or verified["executor"] != _executor_identity()
+                or verified["pid"] == os.getpid()):
+            return None
+        return {str(name): list(stat) for name, stat in verified["files"].items()}
+    except (TypeError, KeyError, AttributeError):
+        return None  # none recorded (an older manifest): hashed
 
 
 def _file_checksum(path: Path) -> int:

@@ -593,17 +593,22 @@ def _last_rows_in_store_order(rows: pa.Table, layout: KeyedStateLayout) -> np.nd
             sort_key = ((hashes & np.uint64(max_parallelism - 1)) << (np.uint64(64) - bits)
                         | (hashes >> bits)) if bits else hashes
         order = np.argsort(sort_key, kind="stable")
+        del sort_key
     else:
         order = np.argsort(hashes, kind="stable")
         groups = (hashes[order] % np.uint64(max_parallelism)).astype(np.int16)
         order = order[np.argsort(groups, kind="stable")]
     ordered = hashes[order]
     last = np.append(ordered[1:] != ordered[:-1], True)  # the last row of each equal-hash run
-    winners = order[last]
-    run_of_row = np.cumsum(np.concatenate([[0], last[:-1]]))
-    shared = np.flatnonzero(np.bincount(run_of_row)[run_of_row] > 1)
-    if len(shared):  # rows whose hash another row has: the same key, or a collision?
-        others, theirs = pa.array(order[shared]), pa.array(winners[run_of_row[shared]])
+    del ordered
+    ends = np.flatnonzero(last)
+    winners = order[ends]
+    # rows whose hash another row has (the same key, or a collision?), by their sorted place,
+    # and their run's last row: no array per row beyond these (a 4M-row range holds 8M rows)
+    shared = np.flatnonzero(~(last & np.concatenate([[True], last[:-1]])))
+    if len(shared):
+        others = pa.array(order[shared])
+        theirs = pa.array(winners[np.searchsorted(ends, shared)])
         if not all(pc.all(pc.equal(rows.column(name).take(others),
                                    rows.column(name).take(theirs))).as_py() for name in key):
             winners = last_per_key(rows, key, hashes)

@@ -366,19 +366,20 @@ def _verified_bytes(handle: StreamStateHandle, what: str) -> bytes:
 
 def _read(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
           key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
-          read_bytes: ReadBytes | None = None) -> pa.Table:
+          read_bytes: ReadBytes | None = None, *, use_threads: bool = True) -> pa.Table:
     parts = list(_read_row_groups(handle, layout, kind, key_groups, wanted, read_bytes,
-                                  whole=True))
+                                  whole=True, use_threads=use_threads))
     return parts[0] if len(parts) == 1 else concat_as(
         _file_schema(layout, kind, key_groups), parts)
 
 
 def _read_row_groups(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
                      key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
-                     read_bytes: ReadBytes | None = None, *,
-                     whole: bool = False) -> Iterator[pa.Table]:
+                     read_bytes: ReadBytes | None = None, *, whole: bool = False,
+                     use_threads: bool = True) -> Iterator[pa.Table]:
     """The rows of a keyed state file (of ``wanted`` key groups only, if given), one Parquet
-    row group (``_ROW_GROUP_ROWS`` rows) at a time; ``whole``: in one table. The file's bytes
+    row group (``_ROW_GROUP_ROWS`` rows) at a time; ``whole``: in one table (``use_threads``:
+    see ``read_parquet``). The file's bytes
     are read and verified whole first (they are compressed: a fraction of the rows'
     size), its identity checked before any row is yielded."""
     what = f"keyed state {kind} file {_describe(handle)}"
@@ -408,7 +409,7 @@ def _read_row_groups(handle: StreamStateHandle, layout: KeyedStateLayout, kind: 
                                     "checkpoint or a savepoint") from exc
     for part in [row_groups] if whole or not row_groups else [[g] for g in row_groups]:
         try:
-            table = read_parquet(parquet, columns, part)
+            table = read_parquet(parquet, columns, part, use_threads=use_threads)
             table = evolve_table(table, schema, layout.renamed, layout.defaults, what)
         except (pa.ArrowException, ValueError) as exc:
             raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an "
@@ -461,32 +462,6 @@ def read_full_snapshot(handle: StreamStateHandle, layout: KeyedStateLayout,
         _describe(handle))
 
 
-def _replay_parts(chain: KeyedStateChain, layout: KeyedStateLayout, wanted: KeyGroupRange,
-                  read_bytes: ReadBytes | None) -> tuple[pa.Table, pa.Table | None]:
-    """The ``wanted`` key groups of one chain as ``(base, changes)``: the base (stored rows,
-    in the file's order) and the last change per key since (change file rows with
-    ``_deleted``; None: no changes)."""
-    changes_after = chain.changes
-    if chain.full_snapshot is not None:
-        base = read_full_snapshot(chain.full_snapshot, layout, chain.key_groups, wanted,
-                                    read_bytes=read_bytes)
-    elif chain.changes:
-        # A chain that started empty: its first change file applied to no state, so its
-        # upserts are the base (each key once, its deletes no-ops); typically the bulk of
-        # the rows (a first load), kept out of the last-change-per-key pass below.
-        base, _ = read_change_file(chain.changes[0], layout, chain.key_groups, wanted,
-                                   read_bytes=read_bytes)
-        changes_after = chain.changes[1:]
-    else:
-        base = layout.stored_schema.empty_table()
-    if not changes_after:
-        return base, None
-    changes = pa.concat_tables([_read(change, layout, _CHANGE, chain.key_groups, wanted,
-                                      read_bytes) for change in changes_after])
-    # the last change per key (files in order; a key is once per file)
-    return base, changes.take(pa.array(last_per_key(changes, layout.key)))
-
-
 def replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayout,
                   wanted: KeyGroupRange, *, read_bytes: ReadBytes | None = None) -> pa.Table:
     """The state of the ``wanted`` key groups from the chains that overlap them: each chain's
@@ -522,7 +497,8 @@ def iter_replay_chains(chains: Iterable[KeyedStateChain], layout: KeyedStateLayo
             changes_after = chain.changes
         elif chain.changes:
             # A chain that started empty: its first change file's upserts are the base (each
-            # key once, its deletes no-ops), see _replay_parts
+            # key once, its deletes no-ops): typically the bulk of the rows (a first load),
+            # kept out of the last-change-per-key pass below
             base = _read_row_groups(chain.changes[0], layout, _CHANGE, chain.key_groups,
                                     overlap, read_bytes)
             changes_after = chain.changes[1:]
@@ -556,27 +532,91 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
                   chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
     """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
     holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
-    finds no store for its range, a stale one, or one it cannot read. The chains' bases load
-    as the segment in the order they were written (a full snapshot's), and their changes
-    since apply on top, so the rebuild neither joins nor sorts the whole state."""
-    bases, changes = [], []
+    finds no store for its range, a stale one, or one it cannot read. The chains' files are
+    read first (each verified and checked as ``replay_chains`` does; a file that cannot be
+    read fails the rebuild, naming it, before the store is touched), then replayed in one
+    pass (``_last_rows_in_store_order``) into rows in the segment's order, loaded as they are:
+    no lookup of the changes in the base, no merge, one write."""
+    parts = []
     for chain in sorted(chains, key=lambda c: c.key_groups.start):
         overlap = chain.key_groups.intersection(key_groups)
-        if len(overlap):
-            base, latest = _replay_parts(chain, layout, overlap, None)
-            bases.append(base)
-            changes += [] if latest is None else [latest]
+        if not len(overlap):
+            continue
+        if chain.full_snapshot is not None:
+            base = _read(chain.full_snapshot, layout, _FULL_SNAPSHOT, chain.key_groups,
+                         overlap)
+            parts.append(base.append_column(_NOT_DELETED, pa.repeat(False, base.num_rows)))
+        # change files are small: decoded one column after another, not in Arrow's threads
+        parts += [_read(change, layout, _CHANGE, chain.key_groups, overlap, use_threads=False)
+                  for change in chain.changes]
     remove_store(directory)
     store = ArrowKeyedStateStore(directory, layout, key_groups)
-    base = concat_as(layout.stored_schema, bases) if bases else layout.stored_schema.empty_table()
-    if not changes:
-        store.load(base, version=version)
+    if not parts:
+        store.load(layout.stored_schema.empty_table(), version=version)
         return store
-    latest = pa.concat_tables(changes)
-    deleted = latest.column(DELETED)
-    store.load(base, upserts=latest.filter(pc.invert(deleted)),
-               deletes=latest.filter(deleted).select(list(layout.key)), version=version)
+    rows = concat_as(_replay_schema(layout), parts).combine_chunks()
+    del parts
+    winners = _last_rows_in_store_order(rows, layout)
+    rows = rows.select(layout.stored_schema.names).take(pa.array(winners))
+    store.load(rows, version=version)
     return store
+
+
+_NOT_DELETED = pa.field(DELETED, pa.bool_(), nullable=False)
+
+
+def _replay_schema(layout: KeyedStateLayout) -> pa.Schema:
+    """The rows of a chain's files as ``rebuild_store`` combines them: the stored columns
+    (values nullable, as in the files) and ``_deleted``."""
+    return pa.schema([*(f if f.name in layout.key else f.with_nullable(True)
+                        for f in layout.stored_schema), _NOT_DELETED])
+
+
+def _last_rows_in_store_order(rows: pa.Table, layout: KeyedStateLayout) -> np.ndarray:
+    """The indices of each key's last row in ``rows`` (a chain's files, oldest first) that is
+    not a delete, in a full snapshot's (key group, key hash) order: the state the chain
+    replays to, in the order a store's segment holds it. One stable sort by (key group,
+    hash): each file is in that order already, so the sort merges sorted runs; a key's rows
+    end up next to each other in file order and the last wins. Rows that share a hash are
+    checked to share the key (as ``last_per_key`` does); if two keys share one, each key's
+    last row is found by its key columns instead."""
+    key = layout.key
+    if not rows.num_rows:
+        return np.zeros(0, np.int64)
+    hashes = hash_keys(rows, key)
+    max_parallelism = layout.max_parallelism
+    if max_parallelism & (max_parallelism - 1) == 0:
+        # (key group, hash) as one uint64: the key group (the hash's low bits) on top of the
+        # hash's other bits, so one sort orders both
+        bits = np.uint64(max_parallelism.bit_length() - 1)
+        with np.errstate(over="ignore"):
+            sort_key = ((hashes & np.uint64(max_parallelism - 1)) << (np.uint64(64) - bits)
+                        | (hashes >> bits)) if bits else hashes
+        order = np.argsort(sort_key, kind="stable")
+        del sort_key
+    else:
+        order = np.argsort(hashes, kind="stable")
+        groups = (hashes[order] % np.uint64(max_parallelism)).astype(np.int16)
+        order = order[np.argsort(groups, kind="stable")]
+    ordered = hashes[order]
+    last = np.append(ordered[1:] != ordered[:-1], True)  # the last row of each equal-hash run
+    del ordered
+    ends = np.flatnonzero(last)
+    winners = order[ends]
+    # rows whose hash another row has (the same key, or a collision?), by their sorted place,
+    # and their run's last row: no array per row beyond these (a 4M-row range holds 8M rows)
+    shared = np.flatnonzero(~(last & np.concatenate([[True], last[:-1]])))
+    if len(shared):
+        others = pa.array(order[shared])
+        theirs = pa.array(winners[np.searchsorted(ends, shared)])
+        if not all(pc.all(pc.equal(rows.column(name).take(others),
+                                   rows.column(name).take(theirs))).as_py() for name in key):
+            winners = last_per_key(rows, key, hashes)
+            winners = winners[group_hash_order(
+                (hashes[winners] % np.uint64(max_parallelism)).astype(np.int64),
+                hashes[winners])]
+    deleted = rows.column(DELETED).to_numpy(zero_copy_only=False)
+    return winners[~deleted[winners]]
 
 
 def key_group_mask(layout: KeyedStateLayout, table: pa.Table,

@@ -1,6 +1,7 @@
 """``SparkResource.start``: the session built in the background while the caller goes on
 (issue 28: a cold ``scripts/run`` overlaps the JVM's start with Dagster's run setup)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,49 @@ def test_the_daemon_module_is_set_on_local_masters_only():
     assert "resources._daemon" == session_settings("local[*]")[daemon]
     assert daemon not in session_settings("spark://127.0.0.1:7077")
     assert "mine" == session_settings("local[2]", {daemon: "mine"})[daemon]
+
+
+_PRELOAD_CHILD = textwrap.dedent("""
+    import os
+    import threading
+
+    import resources._daemon as daemon
+
+    failed = daemon.preload()
+    print("failed", failed, flush=True)
+    print("threads", len(os.listdir("/proc/self/task")), threading.active_count(), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_preloads_the_workers_imports_and_stays_single_threaded():
+    """The daemon imports what every worker imports before it forks them; pyarrow and numpy
+    start threads at import (a thread in a process that forks can leave a child a lock
+    nobody releases), so the daemon must still be the one thread it was."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "JE_ARROW_MALLOC_CONF")}
+    done = subprocess.run([sys.executable, "-c", _PRELOAD_CHILD], capture_output=True,
+                          text=True, timeout=100, env=env)
+    assert ["failed []", "threads 1 1"] == done.stdout.splitlines(), (
+        done.stdout[-2000:] + done.stderr[-2000:])
+
+
+@pytest.mark.timeout(300)
+def test_the_first_tasks_run_in_workers_forked_with_the_imports_done(spark):
+    """A session of ``build_spark_session`` on a local master: each task's Python worker is
+    forked from a daemon that already imported pyarrow, pandas and ``pipelines.keyed``."""
+
+    def started_preloaded(batches):  # local: pickled by value, this module is not importable
+        import sys
+
+        import pyarrow as pa
+
+        # [] in a worker forked from a daemon that preloaded everything; None: not preloaded
+        failed = vars(sys.modules["__main__"]).get("preload_failed")
+        for _ in batches:
+            pass
+        yield pa.record_batch({"failed": [None if failed is None else ",".join(failed)]})
+
+    rows = spark.range(0, 4, 1, 2).mapInArrow(started_preloaded,
+                                              "failed string").collect()
+    assert ["", ""] == [r.failed for r in rows]

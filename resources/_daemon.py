@@ -1,20 +1,68 @@
 """Spark's Python worker daemon (``pyspark.daemon``), quiet when a cancelled task's worker
-finds its socket closed. Sessions built by ``build_spark_session`` run it
+finds its socket closed, and with what every worker imports imported once, before it forks
+them. Sessions built by ``build_spark_session`` on a local master run it
 (``spark.python.daemon.module``).
 
 A task cancelled while its Python worker runs (Ctrl-C in ``scripts/run`` cancels every job)
 has its socket closed by the JVM; the worker's last flush then fails, and ``pyspark.daemon``
 prints that ``BrokenPipeError`` with a traceback on the driver's console. Nobody is left to
 read that output: the JVM already abandoned the task and reports its failure itself. Here
-that worker ends quietly instead, as a failed worker (not reused); everything else is
-``pyspark.daemon`` unchanged. Imports no Dagster: it runs in the daemon's process.
+that worker ends quietly instead, as a failed worker (not reused).
+
+A forked worker imported pyspark's worker, pyarrow, pandas and ``pipelines`` itself, about 1 s
+of CPU each at the first task it ran; a keyed batch's pass runs two Python workers per task
+(the routing ``mapInArrow`` and the range's), so a fresh ``local[2]`` process paid it four
+times in its first batches (docs/benchmarks.md, "cold_run: the workers' imports done once").
+``preload`` imports them here once; each worker is forked with them. pyspark imports them
+after the fork because pyarrow and numpy start threads at import, and a thread in a process
+that forks can leave a child with a lock that no thread will release: ``preload`` makes both
+start none (OpenBLAS with one thread, as Spark runs one task per core; Arrow's jemalloc
+without its background thread: Arrow allocates with mimalloc), and
+``tests/test_spark_resource.py`` checks that the daemon stays single-threaded. Imports no
+Dagster: it runs in the daemon's process.
 """
+
+import importlib
+import os
 
 import pyspark.daemon as _pyspark_daemon
 
-__all__ = ["worker"]
+__all__ = ["PRELOADED", "preload", "worker"]
 
 _worker = _pyspark_daemon.worker
+
+# What a worker of a keyed batch imports before its task runs (`python -X importtime` in the
+# workers of a cold run): pyspark's worker side, Arrow, pandas (pyspark's Arrow UDF
+# serializers) and the keyed stages' executor side (with ``pipelines``).
+PRELOADED = (
+    "pyspark.worker",
+    "pyspark.worker_message",
+    "pyspark.sql.conversion",
+    "pyspark.logger.worker_io",
+    "pyspark.sql.streaming.stateful_processor_util",
+    "pyarrow",
+    "pyarrow.compute",
+    "pyarrow.acero",
+    "pandas",
+    "pipelines.keyed",
+)
+
+# Settings that keep the libraries above from starting threads at import (a user's own win).
+_NO_THREADS = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+
+
+def preload() -> list[str]:
+    """Import ``PRELOADED`` in this (the daemon's) process; the names that failed. A failure
+    is left to the worker: it imports the module itself and reports the error of its task."""
+    for name, value in _NO_THREADS.items():
+        os.environ.setdefault(name, value)
+    failed = []
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001
+            failed.append(name)
+    return failed
 
 
 def worker(sock, authenticated: bool) -> int:
@@ -29,4 +77,6 @@ def worker(sock, authenticated: bool) -> int:
 _pyspark_daemon.worker = worker
 
 if __name__ == "__main__":
+    # A worker, forked from here, finds it in its ``__main__``: it started with these imported.
+    preload_failed = preload()
     _pyspark_daemon.manager()

@@ -11,6 +11,7 @@ from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
 from resources._session import SESSION_SETUPS
+from resources._warmup import warm_up_workers
 
 __all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
 
@@ -72,6 +73,7 @@ class _Start(threading.Thread):
         self.session: SparkSession | None = None
         self.existed = False
         self.setups: list = []  # those run on the session; the resource runs later ones
+        self.warm_up: threading.Thread | None = None
 
     def run(self) -> None:
         # Ctrl-C is the main thread's (pipelines.main takes it with sigtimedwait, blocked in
@@ -84,6 +86,8 @@ class _Start(threading.Thread):
                 setup(session)
                 self.setups.append(setup)
             self.session = session
+            # The workers of the run's first batch, started while Dagster sets the run up.
+            self.warm_up = warm_up_workers(session)
         except Exception:  # noqa: BLE001
             # Raised where the session is asked for: the resource builds it again there, in
             # the caller's thread, and that attempt fails with the same error.

@@ -1,6 +1,7 @@
 """``SparkResource.start``: the session built in the background while the caller goes on
 (issue 28: a cold ``scripts/run`` overlaps the JVM's start with Dagster's run setup)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,114 @@ def test_the_daemon_module_is_set_on_local_masters_only():
     assert "resources._daemon" == session_settings("local[*]")[daemon]
     assert daemon not in session_settings("spark://127.0.0.1:7077")
     assert "mine" == session_settings("local[2]", {daemon: "mine"})[daemon]
+
+
+_PRELOAD_CHILD = textwrap.dedent("""
+    import os
+    import threading
+
+    import resources._daemon as daemon
+
+    failed = daemon.preload()
+    print("failed", failed, flush=True)
+    print("threads", len(os.listdir("/proc/self/task")), threading.active_count(), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_preloads_the_workers_imports_and_stays_single_threaded():
+    """The daemon imports what every worker imports before it forks them; pyarrow and numpy
+    start threads at import (a thread in a process that forks can leave a child a lock
+    nobody releases), so the daemon must still be the one thread it was."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "JE_ARROW_MALLOC_CONF")}
+    done = subprocess.run([sys.executable, "-c", _PRELOAD_CHILD], capture_output=True,
+                          text=True, timeout=100, env=env)
+    assert ["failed []", "threads 1 1"] == done.stdout.splitlines(), (
+        done.stdout[-2000:] + done.stderr[-2000:])
+
+
+@pytest.mark.timeout(300)
+def test_the_first_tasks_run_in_workers_forked_with_the_imports_done(spark):
+    """A session of ``build_spark_session`` on a local master: each task's Python worker is
+    forked from a daemon that already imported pyarrow, pandas and ``pipelines.keyed``."""
+
+    def started_preloaded(batches):  # local: pickled by value, this module is not importable
+        import sys
+
+        import pyarrow as pa
+
+        # [] in a worker forked from a daemon that preloaded everything; None: not preloaded
+        failed = vars(sys.modules["__main__"]).get("preload_failed")
+        for _ in batches:
+            pass
+        yield pa.record_batch({"failed": [None if failed is None else ",".join(failed)]})
+
+    rows = spark.range(0, 4, 1, 2).mapInArrow(started_preloaded,
+                                              "failed string").collect()
+    assert ["", ""] == [r.failed for r in rows]
+
+
+_WARM_UP_CHILD = textwrap.dedent("""
+    import threading
+
+    import pyarrow as pa
+    from pyspark import SparkContext
+
+    import resources._warmup as warmup
+    from resources import SparkResource
+
+    def warmed(name):
+        def report(batches):  # in a Python worker: did the warm-up's task run in it?
+            import sys
+
+            module = sys.modules.get("resources._warmup")
+            for batch in batches:
+                yield batch.append_column(name, pa.array(
+                    [bool(module and module.warmed)] * batch.num_rows))
+        return report
+
+    def first_batch_shape(session):  # two chained mapInArrow, as a keyed pass's
+        rows = session.range(0, 2, 1, 2)
+        return sorted(tuple(r) for r in rows.mapInArrow(warmed("a"), "id long, a boolean")
+                      .mapInArrow(warmed("b"), "id long, a boolean, b boolean").collect())
+
+    def join_warm_up():
+        for thread in threading.enumerate():
+            if thread.name == "spark-warm-up":
+                thread.join()
+
+    resource = SparkResource(master="local[2]", app_name="warm", conf={"spark.ui.enabled": "false"})
+    resource.start()
+    session = resource.session
+    join_warm_up()
+    print("warmed", first_batch_shape(session), flush=True)
+
+    def failing(batches):
+        raise RuntimeError("the warm-up fails")
+        yield
+
+    warmup._start_worker = failing  # a warm-up whose tasks fail
+    thread = warmup.warm_up_workers(session)
+    thread.join()
+    # its workers failed and were not kept: the job forks new ones, and runs
+    print("after a failed warm-up", [r[0] for r in first_batch_shape(session)], flush=True)
+    resource.teardown_after_execution(None)
+    print("stopped", warmup.warm_up_workers(session),
+          SparkContext._active_spark_context is None, flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_started_session_warms_up_the_first_batchs_workers_and_a_failed_warm_up_is_ignored():
+    """``SparkResource.start`` runs a warm-up job after the session's start: the tasks of a
+    job of the keyed pass's shape (two chained ``mapInArrow``, a worker each) then run in
+    workers the warm-up started. A warm-up whose tasks fail fails nothing else; on a
+    stopped session there is none (and no new SparkContext)."""
+    done = subprocess.run([sys.executable, "-c", _WARM_UP_CHILD], capture_output=True,
+                          text=True, timeout=280)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("warmed", "after", "stop"))]
+    assert ["warmed [(0, True, True), (1, True, True)]",
+            "after a failed warm-up [0, 1]",
+            "stopped None True"] == lines, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "the warm-up fails" not in done.stdout

@@ -12,6 +12,7 @@ from functools import partial
 import pyarrow as pa
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
@@ -292,9 +293,12 @@ def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
         return None
     for index in indices:
         task.key_groups(index)  # checks the index
-    # One row per slice: one Spark task per range, no shuffle.
-    rows = spark.sparkContext.parallelize([(i,) for i in indices], len(indices))
-    return spark.createDataFrame(rows, f"{OPERATOR_INDEX} int")
+    # One row per slice: one Spark task per range, no shuffle. Built by `range`, not from a
+    # Python list: an RDD of Python rows started a second Python daemon and its workers, with
+    # their imports, in a fresh process (docs/benchmarks.md, "cold_run: the workers' imports").
+    positions = spark.range(len(indices), numPartitions=len(indices))
+    index = F.element_at(F.array(*(F.lit(i) for i in indices)), F.col("id").cast("int") + 1)
+    return positions.select(index.cast("int").alias(OPERATOR_INDEX))
 
 
 def snapshot_keyed_state(spark: SparkSession, task: KeyedStageTask,

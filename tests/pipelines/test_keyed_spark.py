@@ -38,7 +38,9 @@ from pipelines.keyed import (
     snapshot_keyed_state,
     sweep_idle_stores,
 )
+from pipelines.keyed._batch import _operator_index_frame
 from pipelines.keyed._local_stores import _Locked, sweep_other_ranges
+from pipelines.keyed._routing import OPERATOR_INDEX
 from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks
 
 MAX_PARALLELISM = 8
@@ -239,6 +241,20 @@ def test_full_snapshot_resets_the_chains_and_keeps_the_state(spark, job):
     _, ranges = job.run(spark, 3)
     assert ([0, 1], [(True, 0), (True, 0)], expected(3)[0], expected(4)[0], False) == (
         due, shapes, after_three, job.state(), any(r.rebuilt for r in ranges))
+
+
+def test_the_snapshot_of_ranges_runs_one_task_per_range_without_python_rows(spark, job):
+    """The ranges' snapshot job starts from one row per range, one Spark partition each, built
+    by ``range``: an RDD of Python rows started a second Python daemon (and its workers, with
+    their imports) in a fresh process's first snapshot."""
+    frame = _operator_index_frame(spark, job.task(0, parallelism=3), [2, 0])
+    from pyspark.sql import functions as F
+
+    rows = frame.select(F.spark_partition_id().alias("part"), OPERATOR_INDEX).collect()
+    plan = frame._jdf.queryExecution().executedPlan().toString()
+    assert ([(0, 2), (1, 0)], "int", False) == (
+        sorted(tuple(r) for r in rows), frame.schema[OPERATOR_INDEX].dataType.simpleString(),
+        "RDD" in plan)
 
 
 def test_full_snapshot_policy_counts_changes_and_bytes():

@@ -129,3 +129,18 @@ def test_a_full_snapshot_runs_on_the_sessions_python_workers(spark, tmp_path):
     snapshots = snapshot_keyed_state(spark, _task(tmp_path / "snapshot", stage))
     assert sorted(r.operator_index for r in snapshots) == [0, 1]
     assert _python_daemons(jvm) == daemons
+
+
+def test_the_sessions_jvm_hands_back_idle_heap(spark):
+    """A session of ``build_spark_session`` starts its JVM with G1 options that return idle
+    heap (the driver JVM was most of a run's RSS: G1 kept what the busiest batch needed)."""
+    from resources.spark import DEFAULT_SPARK_CONF
+
+    jvm = spark.sparkContext._jvm
+    arguments = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                     .getInputArguments())
+    wanted = DEFAULT_SPARK_CONF["spark.driver.extraJavaOptions"].split()
+    assert wanted and all(option in arguments for option in wanted), arguments
+    flags = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    assert flags.getVMOption("G1PeriodicGCInterval").getValue() == "2000"

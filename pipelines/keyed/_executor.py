@@ -122,6 +122,7 @@ def _run_partition(task: KeyedStageTask,
     if not batches:
         return  # no routing task ran: the input had no partitions
     table = pa.Table.from_batches(batches)
+    del batches  # the filtered copies below replace the input rows: never held twice
     summary = pc.equal(table.column(OPERATOR_INDEX), _SUMMARY_INDEX)
     summaries, table = table.filter(summary), table.filter(pc.invert(summary))
     newest = pc.max(summaries.column(_NEWEST)).as_py()
@@ -166,7 +167,7 @@ def _run_partition(task: KeyedStageTask,
         raise RuntimeError(f"keyed stage {task.stage.name}: rows of ranges "
                            f"{indices.to_pylist()} reached one task; routing is broken")
     result = _run_range(task, (indices[0],), table.drop_columns([_ROUTE, _ROWS, _NEWEST]))
-    del table, batches
+    del table
     release_arrow_memory()
     if result is not None:
         yield from result.to_batches()

@@ -292,13 +292,9 @@ def _operator_index_frame(spark: SparkSession, task: KeyedStageTask,
         return None
     for index in indices:
         task.key_groups(index)  # checks the index
-    # One row per partition of a range (id i in partition i): one Spark task per range, no
-    # shuffle, and no Python before the task's own: a Python RDD's tasks run in a Python
-    # daemon of their own (another environment for Spark's worker factory), whose workers
-    # then lived as long as the session (+200-400 MiB at 1M keys).
-    listed = ", ".join(str(int(i)) for i in indices)
-    return spark.range(0, len(indices), 1, len(indices)).selectExpr(
-        f"element_at(array({listed}), cast(id as int) + 1) as {OPERATOR_INDEX}")
+    # One row per slice: one Spark task per range, no shuffle.
+    rows = spark.sparkContext.parallelize([(i,) for i in indices], len(indices))
+    return spark.createDataFrame(rows, f"{OPERATOR_INDEX} int")
 
 
 def snapshot_keyed_state(spark: SparkSession, task: KeyedStageTask,

@@ -559,7 +559,7 @@ def breakdown(bench: Bench, repeats: int) -> None:
 def experiments(bench: Bench, repeats: int) -> None:
     """Checkpoint and restore in Spark with patched Parquet writer options in the workers,
     alternating with the path as it is."""
-    import pipelines._stage_kinds as stage_kinds_module  # where the runner's stage kinds call it
+    from pipelines import state_io
 
     print(
         f"\nexperiments in Spark (Parquet writer options patched in the Python workers; "
@@ -572,7 +572,7 @@ def experiments(bench: Bench, repeats: int) -> None:
             yield
             return
         with mock.patch.object(
-            stage_kinds_module, "write_state_partition", partial(_write_with_options, options)
+            state_io, "write_state_partition", partial(_write_with_options, options)
         ):
             yield
 

@@ -27,6 +27,7 @@ from checkpoint_storage.spi import (
     OperatorState,
     OperatorSubtaskState,
 )
+from pipelines import state_io
 from pipelines._spec import Stage, StatefulPipeline
 from pipelines.keyed import (
     DEFAULT_LOCAL_STORE_MAX_AGE,
@@ -44,7 +45,6 @@ from pipelines.state_io import (
     handle_from_row,
     handle_to_row,
     read_state_partition,
-    write_state_partition,
 )
 
 __all__ = [
@@ -266,7 +266,8 @@ class DataFrameStageKind(StageKind):
                               location.location_reference, stage.name, schema,
                               self.after_write)
         written = state.mapInArrow(
-            partial(write_state_partition, task), HANDLE_ROW_TYPE
+            # looked up at each snapshot, so that an experiment can patch the writer
+            partial(state_io.write_state_partition, task), HANDLE_ROW_TYPE
         ).collect()
         options = self.storage.storage_options
         subtasks = {

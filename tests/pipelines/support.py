@@ -15,7 +15,7 @@ from pyspark import cloudpickle
 from pyspark.sql import types as T
 from typer.testing import CliRunner
 
-from checkpoint_storage import FileSystemCheckpointStorage
+from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from checkpoint_storage.cli import build_app
 from pipelines import (
     FullSnapshotPolicy,
@@ -288,6 +288,25 @@ def store_state(store) -> dict[str, int]:
     assert (store.layout.key_groups_of(table) == groups).all(), "rows under other key groups"
     assert (np.diff(groups) >= 0).all(), "rows out of key group order"
     return as_model(table)
+
+
+class Job:
+    """A checkpoint storage job on local disk and a stream factory of its checkpoint 1."""
+
+    def __init__(self, root: Path) -> None:
+        # threshold 0: every state stream becomes a file in shared/, as large state would
+        storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
+                                              file_state_size_threshold=0)
+        self.access = storage.create_checkpoint_storage(JobID.generate())
+        self.access.initialize_base_locations()
+        self.location = self.access.initialize_location_for_checkpoint(1)
+        self.factory = self.access.resolve_checkpoint_storage_location(
+            1, self.location.location_reference)
+
+
+def deletes(keys) -> pa.Table:
+    """A keyed state store's deletes of these users."""
+    return pa.table({"user": pa.array(sorted(keys), pa.string())})
 
 
 # by value: Spark's Python workers need not import the tests package

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from checkpoint_storage import FileSystemCheckpointStorage, JobID
 from pipelines.keyed import (
     ArrowKeyedStateStore,
     KeyedStateChain,
@@ -29,33 +28,18 @@ from tests.pipelines.support import (
     LAYOUT,
     NO_KEYS,
     SCHEMA,
+    Job,
     as_model,
     clicks_table,
+    deletes,
     store_state,
 )
-
-
-class Job:
-    """A checkpoint storage job on local disk and a stream factory of its checkpoint 1."""
-
-    def __init__(self, root: Path) -> None:
-        # threshold 0: every state stream becomes a file in shared/, as large state would
-        storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
-                                              file_state_size_threshold=0)
-        access = storage.create_checkpoint_storage(JobID.generate())
-        access.initialize_base_locations()
-        location = access.initialize_location_for_checkpoint(1)
-        self.factory = access.resolve_checkpoint_storage_location(
-            1, location.location_reference)
 
 
 @pytest.fixture
 def job(tmp_path) -> Job:
     return Job(tmp_path)
 
-
-def deletes(keys) -> pa.Table:
-    return pa.table({"user": pa.array(sorted(keys), pa.string())})
 
 USERS = [f"user_{i}" for i in range(12)]
 FILE = st.tuples(st.dictionaries(st.sampled_from(USERS), st.integers(0, 99), max_size=8),

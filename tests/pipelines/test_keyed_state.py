@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from checkpoint_storage import (
     CheckpointMetadata,
     FileStateHandle,
-    FileSystemCheckpointStorage,
-    JobID,
     OperatorSubtaskState,
     StandaloneCompletedCheckpointStore,
     load_checkpoint_metadata,
@@ -47,33 +45,18 @@ from tests.pipelines.support import (
     NO_KEYS,
     SCHEMA,
     T0,
+    Job,
     as_model,
     clicks_table,
+    deletes,
     store_state,
 )
-
-
-class Job:
-    """A checkpoint storage job on local disk and a stream factory of its checkpoint 1."""
-
-    def __init__(self, root: Path) -> None:
-        # threshold 0: every state stream becomes a file in shared/, as large state would
-        storage = FileSystemCheckpointStorage(str(root / "checkpoints"),
-                                              file_state_size_threshold=0)
-        self.access = storage.create_checkpoint_storage(JobID.generate())
-        self.access.initialize_base_locations()
-        self.location = self.access.initialize_location_for_checkpoint(1)
-        self.factory = self.access.resolve_checkpoint_storage_location(
-            1, self.location.location_reference)
 
 
 @pytest.fixture
 def job(tmp_path) -> Job:
     return Job(tmp_path)
 
-
-def deletes(keys) -> pa.Table:
-    return pa.table({"user": pa.array(sorted(keys), pa.string())})
 
 
 USERS = [f"user_{i}" for i in range(40)]

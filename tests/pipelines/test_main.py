@@ -14,6 +14,7 @@ from dagster_shared.error import SerializableErrorInfo
 from pipelines import SourcePosition
 from pipelines.main import (
     UNTIL_CONFIRM_ABOVE,
+    _quiet_spark,
     backfill_command,
     confirm_until,
     error_summary,
@@ -21,6 +22,7 @@ from pipelines.main import (
     parse_args,
     print_retained,
 )
+from resources import DEFAULT_SPARK_CONF
 from sensors import RetainedSnapshot
 
 TODAY = dt.date(2026, 10, 11)
@@ -221,3 +223,16 @@ def test_a_failure_is_summarised_as_the_users_error_in_one_line():
 
     assert ("StageError: pipeline p, stage s, partition d, batch 1 of 2 (id b0): ValueError: "
             "bad") == error_summary(step)
+
+
+def test_the_quiet_spark_console_keeps_the_sessions_java_options(monkeypatch):
+    """Submit arguments' ``--driver-java-options`` replace ``spark.driver.extraJavaOptions``:
+    the main job's carry the quiet log4j2 configuration and the sessions' JVM options."""
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "")
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")  # restored (unset) after the test
+    _quiet_spark()
+    args = shlex.split(os.environ["PYSPARK_SUBMIT_ARGS"])
+    options = args[args.index("--driver-java-options") + 1].split()
+    assert [o for o in options if o.startswith("-Dlog4j2.configurationFile=file:")]
+    assert set(DEFAULT_SPARK_CONF["spark.driver.extraJavaOptions"].split()) <= set(options)
+    assert args[-1] == "pyspark-shell"

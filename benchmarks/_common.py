@@ -162,13 +162,22 @@ between identical 1M-key runs (docs/benchmarks.md, "state_growth: where the memo
 The heap's maximum (``spark.driver.memory``) is unchanged."""
 
 
+LOCAL_SESSION_CONF = {"spark.python.daemon.module": "resources._daemon"}
+"""What a session of ``resources.build_spark_session`` adds on a local master
+(``resources.spark.LOCAL_SPARK_CONF``, checked equal by tests/test_benchmark_measures.py;
+copied so that a benchmark's processes do not import Dagster): Spark's Python daemon with the
+workers' imports done before it forks them. Structured Streaming's queries here run no Python
+workers, so it changes nothing for them."""
+
+
 def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
                     maintenance_interval: str = "2s", no_data_batches: bool = True,
-                    driver_java_options: str | None = None):
+                    driver_java_options: str | None = None, conf: dict | None = None):
     """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
     with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
     benchmarks compare with this, so they build it one way (``driver_java_options``: the
-    driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, for both systems alike)."""
+    driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, and ``conf``, e.g. ``LOCAL_SESSION_CONF``,
+    for both systems alike)."""
     import sys
 
     from pyspark.sql import SparkSession
@@ -177,6 +186,8 @@ def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4
     builder = SparkSession.builder
     if driver_java_options:
         builder = builder.config("spark.driver.extraJavaOptions", driver_java_options)
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
     return (
         builder.master("local[2]").appName(app)
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))

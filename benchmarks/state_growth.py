@@ -3,7 +3,8 @@
 
 Systems, each in its own process, interleaved, on the same Parquet batches, checkpoint on
 local disk, ``local[2]``, the same session options (the driver JVM's G1 returns idle heap,
-``_common.G1_RETURNS_IDLE_HEAP``):
+``_common.G1_RETURNS_IDLE_HEAP``; Spark's Python daemon as our sessions run it on a local
+master, ``_common.LOCAL_SESSION_CONF``):
 
 - ``ss-rocksdb``: Structured Streaming, ``RocksDBStateStoreProvider`` with changelog
   checkpointing; a snapshot every ``--ss-min-deltas`` versions
@@ -76,6 +77,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from _common import (  # noqa: E402
     G1_RETURNS_IDLE_HEAP,
+    LOCAL_SESSION_CONF,
     PeakMemory,
     rocksdb_session,
     tree_cpu_seconds,
@@ -284,7 +286,7 @@ def _spark(app: str, ss_min_deltas: int):
     # peak RSS measures what each system needs, not how much heap G1 left committed
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
                            maintenance_interval=SS_MAINTENANCE_INTERVAL,
-                           driver_java_options=G1_RETURNS_IDLE_HEAP)
+                           driver_java_options=G1_RETURNS_IDLE_HEAP, conf=LOCAL_SESSION_CONF)
 
 
 def _ss_query(spark, feed: Path, checkpoint: Path):

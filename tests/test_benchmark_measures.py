@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import sessions as sb  # noqa: E402
 import state_growth as sg  # noqa: E402
-from _common import tree_memory  # noqa: E402
+from _common import LOCAL_SESSION_CONF, tree_memory  # noqa: E402
 
 
 def test_amounts_are_exact_decimals():
@@ -185,3 +185,11 @@ def test_session_batches_keep_the_open_sessions_and_the_recomputation_is_exact(t
     assert sb.compare("open", open_, open_, sb.SESSION_NAMES).startswith("open equal")
     wrong = open_.set_column(3, "views", pc.add(open_.column("views"), 1))
     assert sb.compare("open", wrong, open_, sb.SESSION_NAMES).endswith("differ in views")
+
+
+def test_the_benchmark_sessions_run_the_python_daemon_our_local_sessions_run():
+    """The state_growth sessions (both systems) get what ``build_spark_session`` adds on a
+    local master: a copy, so that the benchmarks' processes need not import Dagster."""
+    from resources.spark import LOCAL_SPARK_CONF
+
+    assert LOCAL_SESSION_CONF == LOCAL_SPARK_CONF

@@ -54,6 +54,17 @@ def session_settings(master: str, conf: dict | None = None) -> dict[str, str]:
             | {k: str(v) for k, v in (conf or {}).items()})
 
 
+def session_exists() -> bool:
+    """Whether ``getOrCreate`` would hand out a session that exists: the active or the
+    default one. ``getActiveSession`` alone is the calling thread's (PySpark pins each Python
+    thread to its own JVM thread), None in any other thread than the one that built it."""
+    try:
+        SparkSession.active()
+    except Exception:  # noqa: BLE001 (PySparkRuntimeError: no active or default session)
+        return False
+    return True
+
+
 def build_spark_session(
     master: str = "local[*]", app_name: str = "checkpointed-pipelines", conf: dict | None = None
 ) -> SparkSession:
@@ -87,7 +98,7 @@ class _Start(threading.Thread):
         # every other thread): never delivered to this one.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            self.existed = SparkSession.getActiveSession() is not None
+            self.existed = session_exists()
             session = build_spark_session(*self.args)
             for setup in list(SESSION_SETUPS):
                 setup(session)
@@ -152,7 +163,7 @@ class SparkResource(ConfigurableResource):
             if start is not None and start.session is not None:
                 session, existed, done = start.session, start.existed, start.setups
             else:
-                existed = SparkSession.getActiveSession() is not None
+                existed = session_exists()
                 session = build_spark_session(self.master, self.app_name, self.conf)
                 done = []
             for setup in SESSION_SETUPS:  # with a started session: those added meanwhile

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -49,6 +50,27 @@ def test_a_session_started_in_the_background_is_handed_out_and_stopped_as_its_ow
     assert ["taken [] 3 True", "stopped True", "raised True"] == lines, (
         done.stdout[-2000:] + done.stderr[-2000:])
 
+
+
+@pytest.mark.timeout(300)
+def test_a_resource_in_another_thread_leaves_running_a_session_it_did_not_start(spark):
+    """A session that existed before the resource (a test's, a notebook's) is left running
+    at its teardown, also when the resource runs in another thread than the one that built
+    the session (Dagster's run workers, ``SparkResource.start``): PySpark's
+    ``getActiveSession`` is the calling thread's and said none there."""
+    resource = SparkResource(master="local[2]", app_name="tests")
+    seen = []
+
+    def use_and_tear_down():
+        seen.append(resource.session.range(3).count())
+        resource.teardown_after_execution(None)
+
+    thread = threading.Thread(target=use_and_tear_down)
+    thread.start()
+    thread.join(timeout=240)
+    assert seen == [3]
+    assert not spark.sparkContext._jsc.sc().isStopped()
+    assert spark.range(2).count() == 2
 
 _DAEMON_CHILD = textwrap.dedent("""
     import os

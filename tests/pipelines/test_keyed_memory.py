@@ -43,8 +43,14 @@ def _anon_bytes(pid: int | str = "self") -> int:
 def count_and_free_heap(input: pa.Table, state: pa.Table) -> KeyedResult:
     """Counts clicks per user as a stage does, and leaves what a large task leaves in the
     C heap: ``FREED`` bytes of numpy arrays freed below one the worker keeps (as a kept local
-    store keeps its offsets), which glibc's ``free`` cannot hand back by itself."""
-    np.ones(20 << 17)  # 20 MiB freed: glibc then serves arrays below 20 MiB from its heap
+    store keeps its offsets), which glibc's ``free`` does not hand back by itself."""
+    import ctypes
+
+    # Whatever this (reused) worker ran before: glibc serves these arrays from its heap and
+    # never trims the heap by itself, so only an explicit trim hands them back.
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: 4 MiB arrays from the heap
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: no trim of the heap's top on free
     freed = [np.ones(4 << 17) for _ in range(FREED >> 22)]
     sys.keyed_memory_test_kept = np.ones(1 << 10)  # above them in the heap, kept
     del freed

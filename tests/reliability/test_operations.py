@@ -3,18 +3,11 @@ points recovered (issue 25): the reliability scenarios of scenarios_operations.p
 
 import pytest
 
-from resources import build_spark_session
 from tests.reliability import scenarios_operations
 
-
-@pytest.fixture(scope="module")
-def spark():
-    session = build_spark_session(
-        "local[2]", "operations", {"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"}
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
+# The suite's session (tests/conftest.py): a module's own ``build_spark_session`` got that
+# session back from getOrCreate, and stopping it at the module's end stopped it for the
+# tests after this module.
 
 
 @pytest.mark.timeout(600)

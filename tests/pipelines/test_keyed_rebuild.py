@@ -173,3 +173,43 @@ def test_a_damaged_change_file_in_the_middle_fails_the_rebuild_naming_it(job, tm
 
     reopened = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
     assert ({"kept": 1}, "3") == (store_state(reopened), reopened.version)
+
+
+def test_each_row_of_the_chain_is_hashed_once(job, tmp_path, monkeypatch):
+    """The rebuild hashes the rows it reads to order them, and gives the store the winners'
+    hashes: the store does not hash the state again (a 4M-row range's second hash)."""
+    from pipelines.keyed import _store
+
+    hashed = []
+
+    def counting(real):
+        def hash_keys(table, key):
+            hashed.append(table.num_rows)
+            return real(table, key)
+        return hash_keys
+
+    base = {f"user_{i}": i for i in range(200)}
+    chain = KeyedStateChain(ALL, None, (
+        write_change_file(job.factory, LAYOUT, ALL, clicks_table(base), NO_KEYS),
+        write_change_file(job.factory, LAYOUT, ALL, clicks_table({"user_1": 5}),
+                          deletes({"user_2"}))))
+    monkeypatch.setattr(_chain, "hash_keys", counting(_chain.hash_keys))
+    monkeypatch.setattr(_store, "hash_keys", counting(_store.hash_keys))
+
+    store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], "v")
+
+    assert [202] == hashed
+    expected = {k: v for k, v in base.items() if k != "user_2"} | {"user_1": 5}
+    assert (expected, "v") == (store_state(store), store.version)
+    store.close()
+    assert expected == store_state(ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL))
+
+
+def test_a_load_refuses_key_hashes_that_are_not_its_rows(tmp_path):
+    """Hashes handed to ``load`` with rows must be one per row: a store is never written
+    with hashes of other rows."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    rows = clicks_table({"a": 1, "b": 2})
+
+    with pytest.raises(ValueError, match="1 key hashes for 2 rows"):
+        store.load(rows, key_hashes=np.zeros(1, np.uint64))

@@ -132,9 +132,12 @@ def test_a_rebuilt_store_is_one_segment(job, tmp_path):
         store_state(reopened), [p.name for p in (tmp_path / "store").glob("run-*")])
 
 
-def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch):
+@pytest.mark.parametrize("check_rows", [1 << 20, 1, 2])
+def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch, check_rows):
     """Two keys with one hash (forced: a hash of 8 values) are two keys: each keeps its own
-    last change, as in the per-file replay."""
+    last change, as in the per-file replay; also when the keys are compared a few rows at a
+    time (``check_rows``), a collision in any part found."""
+    monkeypatch.setattr(_chain, "_CHECK_ROWS", check_rows)
     real = _chain.hash_keys
     monkeypatch.setattr(_chain, "hash_keys",
                         lambda table, key: real(table, key) & np.uint64(LAYOUT.max_parallelism - 1))

@@ -584,7 +584,8 @@ def measure_size(size: int, changed: int, base: Path, args, order: list[str]) ->
             measured[system] = Measured(
                 result["walls"], result["written"], result["kinds"], result["chain_lengths"],
                 result["snapshots"], result["state_check"], peak.rss, peak.pss)
-            print(f"  S={size:,} {system}: run done, load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"  S={size:,} {system}: run done, peak RSS {mib(peak.rss)}, load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)
         points = {s: choose_points(measured[s]) for s in order}
         for point in ("best", "worst"):
             for system in order:
@@ -647,9 +648,11 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         for point, r in m.recovery.items():
             print(f"    recovery at the {point} point (after batch {r['batch']}, chains "
                   f"{r['chain']} files): {r['from_process_start']:.2f} s from process start, "
-                  f"{r['from_runner_start']:.2f} s from the runner's start"
+                  f"{r['from_runner_start']:.2f} s from the runner's start, peak RSS "
+                  f"{mib(r['peak_rss'])}"
+                  # the ranges are built one after another: their sum is the prefetch's wall
                   + (f"; local stores prefetched: {', '.join(p['outcome'] for p in prefetched)} "
-                     f"({max(p['seconds'] for p in prefetched):.2f} s)"
+                     f"({sum(p['seconds'] for p in prefetched):.2f} s)"
                      if (prefetched := r.get("prefetched")) else ""))
     ours, ss = measured.get("ours"), measured.get("ss-rocksdb")
     covered = ours is not None and ss is not None and all(

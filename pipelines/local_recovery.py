@@ -14,12 +14,15 @@ writer committed meanwhile), or cut short by a crash (the manifest naming the ve
 written last), is rebuilt by the task as before, never used.
 """
 
+import ctypes
 import logging
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 from checkpoint_storage import CheckpointMetadata, CheckpointStorage
 from checkpoint_storage.spi import STATE_FORMAT_PREFIX
@@ -75,9 +78,15 @@ class LocalStorePrefetch:
             return
         if not jobs:
             return
-        # a thread per range: reading Parquet and sorting release the GIL
-        with ThreadPoolExecutor(len(jobs), thread_name_prefix="prefetch") as pool:
-            self._results = list(pool.map(lambda job: job(), jobs))
+        # One range after another, in this thread (a range's Parquet decoding still runs in
+        # Arrow's threads): two ranges in two threads took twice the memory at once (2.4 GiB
+        # against 1.3 GiB for two 4M-row ranges), and more CPU, not less: their first touches
+        # of fresh pages contend in the kernel (5.1 s system CPU against 1.1 s), where a range
+        # built after another reuses the pages the first freed. Released once all are built,
+        # in this thread: Arrow's allocator keeps freed pages per thread.
+        for job in jobs:
+            self._results.append(job())
+        _release_freed_memory()
 
     def wait(self, timeout: float | None = None) -> list[PrefetchedStore]:
         """The ranges' outcomes once the prefetch is done (``TimeoutError`` after
@@ -86,6 +95,20 @@ class LocalStorePrefetch:
         if self._thread.is_alive():
             raise TimeoutError(f"the local store prefetch of {self.checkpoint} is still running")
         return list(self._results)
+
+
+_TRIM_C_HEAP = getattr(ctypes.CDLL(None), "malloc_trim", None) if sys.platform == "linux" \
+    else None
+
+
+def _release_freed_memory() -> None:
+    """Hand back to the operating system what the rebuilds freed: Arrow's pool (mimalloc)
+    and glibc's heap (numpy's arrays) keep freed pages for reuse, so the driver, which
+    rebuilds no more stores, held the rebuilds' high-water mark through the whole run (a
+    4M-row range: 1.1 GiB resident after its rebuild, 0.17 GiB after this)."""
+    pa.default_memory_pool().release_unused()
+    if _TRIM_C_HEAP is not None:
+        _TRIM_C_HEAP(0)
 
 
 def prefetch_local_stores(storage: CheckpointStorage, pipeline: StatefulPipeline, *,

@@ -552,8 +552,13 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     # --- writes -----------------------------------------------------------------------------
 
-    def _with_hashes(self, table: pa.Table, what: str) -> pa.Table:
-        hashes = hash_keys(table, self.layout.key)
+    def _with_hashes(self, table: pa.Table, what: str,
+                     hashes: np.ndarray | None = None) -> pa.Table:
+        if hashes is None:
+            hashes = hash_keys(table, self.layout.key)
+        elif len(hashes) != table.num_rows:
+            raise ValueError(f"local store {self.directory}: {len(hashes)} key hashes for "
+                             f"{table.num_rows} {what}")
         groups = hashes % np.uint64(self.layout.max_parallelism)
         outside = (groups < self.key_groups.start) | (groups > self.key_groups.end)
         if outside.any():
@@ -619,9 +624,12 @@ class ArrowKeyedStateStore(KeyedStateStore):
                            _numpy(changes.column(_DELETED)))]
 
     def load(self, rows: pa.Table, *, upserts: pa.Table | None = None,
-             deletes: pa.Table | None = None, version: str | None = None) -> None:
+             deletes: pa.Table | None = None, version: str | None = None,
+             key_hashes: np.ndarray | None = None) -> None:
+        """``load``; ``key_hashes``: the rows' key hashes (``hash_keys``) when the caller has
+        them already (a rebuild hashed every row to order them): not computed again."""
         rows = self.layout.conform(rows, f"local store {self.directory}: rows")
-        rows = self._with_hashes(rows, "rows").select(self._segment_schema.names)
+        rows = self._with_hashes(rows, "rows", key_hashes).select(self._segment_schema.names)
         hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
         groups = self._groups_of(hashes)
         # a full snapshot (or a change file) comes in (key group, hash) order already

@@ -172,3 +172,62 @@ def test_a_checkpoint_that_cannot_be_read_is_left_to_the_runner(tmp_path):
 
     assert [] == prefetch.wait(timeout=60)
     assert "injected" in prefetch.error
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.timeout(60)
+def test_the_ranges_are_built_one_after_another(tmp_path):
+    """Two ranges' rebuilds never run at once (their peaks would add up): a job that waits
+    up to 5 s for the other to start sees it only after it ended."""
+    import threading
+
+    from pipelines.local_recovery import LocalStorePrefetch
+
+    running, seen = [], []
+    other_started = threading.Event()
+
+    def job(name):
+        def build():
+            running.append(name)
+            seen.append(len(running))
+            if len(running) == 1:
+                other_started.wait(5)  # the other range, if it runs at the same time
+            else:
+                other_started.set()
+            running.remove(name)
+            return name
+        return build
+
+    prefetch = LocalStorePrefetch(lambda: ("checkpoint", [job("a"), job("b")]))
+
+    assert ["a", "b"] == prefetch.wait(timeout=30)
+    assert [1, 1] == seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_memory_the_rebuilds_freed_is_handed_back(tmp_path):
+    """The driver rebuilds no more stores once the prefetch ended: what its rebuilds
+    allocated (here 400 MiB of Arrow buffers in 1 MiB pieces, freed) is returned to the
+    operating system, not kept by Arrow's allocator for the rest of the run."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from pipelines.local_recovery import LocalStorePrefetch
+
+    def rebuild():
+        ones = pa.array(np.ones(1 << 17))
+        pieces = [pc.add(ones, i) for i in range(400)]  # 1 MiB each, in Arrow's pool
+        del pieces
+        return "built"
+
+    before = _resident_mib()
+    prefetch = LocalStorePrefetch(lambda: ("checkpoint", [rebuild, rebuild]))
+
+    assert ["built", "built"] == prefetch.wait(timeout=30)
+    assert _resident_mib() - before < 100

@@ -132,9 +132,12 @@ def test_a_rebuilt_store_is_one_segment(job, tmp_path):
         store_state(reopened), [p.name for p in (tmp_path / "store").glob("run-*")])
 
 
-def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch):
+@pytest.mark.parametrize("check_rows", [1 << 20, 1, 2])
+def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch, check_rows):
     """Two keys with one hash (forced: a hash of 8 values) are two keys: each keeps its own
-    last change, as in the per-file replay."""
+    last change, as in the per-file replay; also when the keys are compared a few rows at a
+    time (``check_rows``), a collision in any part found."""
+    monkeypatch.setattr(_chain, "_CHECK_ROWS", check_rows)
     real = _chain.hash_keys
     monkeypatch.setattr(_chain, "hash_keys",
                         lambda table, key: real(table, key) & np.uint64(LAYOUT.max_parallelism - 1))
@@ -173,3 +176,69 @@ def test_a_damaged_change_file_in_the_middle_fails_the_rebuild_naming_it(job, tm
 
     reopened = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
     assert ({"kept": 1}, "3") == (store_state(reopened), reopened.version)
+
+
+def test_each_row_of_the_chain_is_hashed_once(job, tmp_path, monkeypatch):
+    """The rebuild hashes the rows it reads to order them, and gives the store the winners'
+    hashes: the store does not hash the state again (a 4M-row range's second hash)."""
+    from pipelines.keyed import _store
+
+    hashed = []
+
+    def counting(real):
+        def hash_keys(table, key):
+            hashed.append(table.num_rows)
+            return real(table, key)
+        return hash_keys
+
+    base = {f"user_{i}": i for i in range(200)}
+    chain = KeyedStateChain(ALL, None, (
+        write_change_file(job.factory, LAYOUT, ALL, clicks_table(base), NO_KEYS),
+        write_change_file(job.factory, LAYOUT, ALL, clicks_table({"user_1": 5}),
+                          deletes({"user_2"}))))
+    monkeypatch.setattr(_chain, "hash_keys", counting(_chain.hash_keys))
+    monkeypatch.setattr(_store, "hash_keys", counting(_store.hash_keys))
+
+    store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], "v")
+
+    assert [202] == hashed
+    expected = {k: v for k, v in base.items() if k != "user_2"} | {"user_1": 5}
+    assert (expected, "v") == (store_state(store), store.version)
+    store.close()
+    assert expected == store_state(ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL))
+
+
+def test_a_load_refuses_key_hashes_that_are_not_its_rows(tmp_path):
+    """Hashes handed to ``load`` with rows must be one per row: a store is never written
+    with hashes of other rows."""
+    store = ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL)
+    rows = clicks_table({"a": 1, "b": 2})
+
+    with pytest.raises(ValueError, match="1 key hashes for 2 rows"):
+        store.load(rows, key_hashes=np.zeros(1, np.uint64))
+
+
+def test_a_base_of_many_row_groups_read_in_part_with_deletes(job, tmp_path, monkeypatch):
+    """A full snapshot of many row groups (a key group split over two of them), read for a
+    narrower range by its row groups' statistics, then changes with deletes: the winners
+    taken from the files' chunks are the per-file replay's."""
+    monkeypatch.setattr(_chain, "_ROW_GROUP_ROWS", 7)
+    base = {f"user_{i}": i for i in range(120)}
+    store = ArrowKeyedStateStore(tmp_path / "base", LAYOUT, ALL)
+    store.load(clicks_table(base))
+    chain = KeyedStateChain(ALL, write_full_snapshot(job.factory, LAYOUT, ALL,
+                                                     store.sorted_batches(max_rows=5)))
+    store.close()
+    for number in range(3):
+        chain = chain.appended(write_change_file(
+            job.factory, LAYOUT, ALL,
+            clicks_table({f"user_{i}": 1000 * number + i for i in range(number, 120, 7)}),
+            deletes({f"user_{i}" for i in range(number + 3, 120, 11)})))
+    narrower = KeyGroupRange(1, LAYOUT.max_parallelism - 2)
+
+    rebuilt = rebuild_store(tmp_path / "store", LAYOUT, narrower, [chain], "v")
+
+    expected = as_model(replay_chains([chain], LAYOUT, narrower))
+    assert 0 < len(expected) < len(base)
+    assert expected == store_state(rebuilt)
+    rebuilt.close()

@@ -41,6 +41,7 @@ __all__ = [
     "next_partitions",
     "parse_args",
     "print_retained",
+    "settle_heap",
 ]
 
 DEFAULT_DAYS = 3

@@ -3,6 +3,7 @@
 
 import datetime as dt
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -141,6 +142,54 @@ def test_main_refuses_months_of_partitions_without_a_terminal(tmp_path):
     assert "Pass --yes to process them all" in done.stderr
     assert "Run " not in done.stdout
     assert not list((tmp_path / "home").glob("storage/*/*"))  # no run's logs
+
+
+def _main_child(tmp_path, code: str) -> subprocess.CompletedProcess:
+    """``code`` in a new process with a fresh instance and data directory (nothing to
+    process there: no Spark)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK", "SPARK_"))}
+    env |= {"DAGSTER_HOME": str(tmp_path / "home"), "PIPELINE_DATA_DIR": str(tmp_path / "data")}
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], env=env,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_main_process_exits_with_its_heap_frozen(tmp_path):
+    """``python -m pipelines.main`` freezes what it built before the interpreter's exit, so
+    that the exit's collection does not walk the modules, definitions and run again (1-3 s
+    after the last line before); the atexit handlers still run, last of all this one."""
+    done = _main_child(tmp_path, (
+        "import atexit, gc, runpy, sys\n"
+        "atexit.register(lambda: print(f'AT EXIT {gc.get_freeze_count()} frozen, "
+        "{len(gc.get_objects())} tracked', flush=True))\n"
+        "sys.argv = ['pipelines.main', '--until', '2000-01-01']\n"
+        "runpy.run_module('pipelines.main', run_name='__main__', alter_sys=True)\n"
+    ))  # fmt: skip
+    assert 0 == done.returncode, done.stdout + done.stderr
+    assert "next: nothing (up to date)" in done.stdout
+    frozen, tracked = (int(n) for n in re.findall(r"AT EXIT (\d+) frozen, (\d+) tracked",
+                                                  done.stdout)[0])
+    assert frozen > 100_000 and tracked < frozen / 20, done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_main_freezes_the_heap_only_for_its_own_process(tmp_path):
+    """``main(own_process=True)`` (the module run as a script) freezes what it imported and
+    built before the run: the run's full collections no longer walk it; ``main()`` called
+    in a longer-lived process (a test, a notebook) leaves that process's collector alone."""
+    done = _main_child(tmp_path, (
+        "import gc\n"
+        "from pipelines.main import main\n"
+        "assert 0 == main(['--until', '2000-01-01'])\n"
+        "print('CALLED', gc.get_freeze_count(), flush=True)\n"
+        "assert 0 == main(['--until', '2000-01-01'], own_process=True)\n"
+        "print('OWN PROCESS', gc.get_freeze_count(), flush=True)\n"
+    ))  # fmt: skip
+    assert 0 == done.returncode, done.stdout + done.stderr
+    assert "CALLED 0\n" in done.stdout
+    assert int(re.findall(r"OWN PROCESS (\d+)", done.stdout)[0]) > 100_000
 
 
 def test_until_is_parsed_as_a_day():

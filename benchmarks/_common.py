@@ -181,6 +181,8 @@ class PeakMemory:
         self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
         peak = self.phases.setdefault(phase, PhasePeak())
         peak.pss = max(peak.pss, pss)
+        for part, (part_rss, _, _) in parts.items():
+            peak.own[part] = max(peak.own.get(part, 0), part_rss)
         if rss > peak.rss:
             peak.rss, peak.parts = rss, parts
 
@@ -190,20 +192,27 @@ class PeakMemory:
 
 
 class PhasePeak:
-    """A phase's peak RSS and PSS (bytes) and the split of the peak RSS's sample by part."""
+    """A phase's peak RSS and PSS (bytes), the split of the peak RSS's sample by part, and
+    each part's own peak RSS in the phase (parts peak at different moments)."""
 
     def __init__(self) -> None:
         self.rss = self.pss = 0
         self.parts: dict[str, tuple[int, int, int]] = {}
+        self.own: dict[str, int] = {}
 
     def describe(self) -> str:
-        """'1712 MiB (PSS 1590; JVM 610, driver 190, daemon 45, 2 workers 860)'."""
+        """'1712 MiB (PSS 1590; JVM 610, driver 190, daemon 45, 2 workers 860; own peaks
+        JVM 700, driver 190, daemon 45, workers 900)'."""
         order = ("JVM", "driver", "daemon", "workers")
+
+        def ordered(parts):
+            return sorted(parts, key=lambda k: order.index(k) if k in order else 9)
+
         split = ", ".join(
             (f"{n} {k}" if k == "workers" else k) + f" {r / 2**20:.0f}"
-            for k in sorted(self.parts, key=lambda k: order.index(k) if k in order else 9)
-            for r, _, n in [self.parts[k]])
-        return f"{self.rss / 2**20:.0f} MiB (PSS {self.pss / 2**20:.0f}; {split})"
+            for k in ordered(self.parts) for r, _, n in [self.parts[k]])
+        own = ", ".join(f"{k} {self.own[k] / 2**20:.0f}" for k in ordered(self.own))
+        return f"{self.rss / 2**20:.0f} MiB (PSS {self.pss / 2**20:.0f}; {split}; own peaks {own})"
 
 
 G1_RETURNS_IDLE_HEAP = "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 " \

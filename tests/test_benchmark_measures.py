@@ -125,8 +125,9 @@ def test_tree_memory_counts_a_jvm_once_while_it_spawns(tmp_path):
 
 
 def test_memory_peaks_are_kept_by_phase_with_the_split_of_their_sample(capsys):
-    """Each phase keeps its own peak RSS (with the split by part of that sample) and PSS; the
-    overall peaks are the phases' largest; the report prints a line per phase."""
+    """Each phase keeps its own peak RSS (with the split by part of that sample), its PSS and
+    each part's own peak; the overall peaks are the phases' largest; the report prints a
+    line per phase."""
     peak = PeakMemory(os.getpid(), interval=3600)  # samples only what is recorded here
     peak.stop()
     mib = 2**20
@@ -140,15 +141,16 @@ def test_memory_peaks_are_kept_by_phase_with_the_split_of_their_sample(capsys):
 
     assert (peak.rss, peak.pss) == (1400 * mib, 1090 * mib)
     assert (initial.rss, initial.pss) == (1400 * mib, 1090 * mib)
-    assert initial.describe() == "1400 MiB (PSS 1090; JVM 600, 2 workers 800)"
+    assert initial.describe() == "1400 MiB (PSS 1090; JVM 600, 2 workers 800; own peaks JVM " \
+        "900, workers 800)"
     assert peak.phases["run's timed batches"].describe() == \
-        "890 MiB (PSS 875; JVM 700, driver 190)"
+        "890 MiB (PSS 875; JVM 700, driver 190; own peaks JVM 700, driver 190)"
     measured = sg.Measured([1.0], [1], {}, [1], {}, "equal", peak.rss, peak.pss,
                            phases=peak.phases)
     sg.report(1000, {"ours": measured}, sg.argparse.Namespace(batches=1))
     out = capsys.readouterr().out
     assert "    peak RSS of the run's initial state: 1400 MiB (PSS 1090; JVM 600, 2 workers " \
-        "800)" in out
+        "800; own peaks JVM 900, workers 800)" in out
     assert "    peak RSS of the run's timed batches: 890 MiB" in out
 
 

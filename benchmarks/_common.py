@@ -93,11 +93,21 @@ def tree_memory(root: int) -> tuple[int, int]:
     """(RSS, PSS) in bytes summed over ``root``'s process tree (the JVM, the Python daemon and
     its forked workers). RSS counts pages the forked workers share once per process; PSS
     splits them, so it is the fairer sum for a tree of forks."""
-    rss = pss = 0
+    parts = tree_memory_parts(root)
+    return sum(p[0] for p in parts.values()), sum(p[1] for p in parts.values())
+
+
+def tree_memory_parts(root: int) -> dict[str, tuple[int, int, int]]:
+    """``tree_memory`` by part of the tree: ``driver`` (``root``), ``JVM``, ``daemon`` (a
+    Python process whose parent is the JVM: Spark's Python daemon, or a worker it started
+    without one) and ``workers`` (the Python processes the daemons forked), each (RSS, PSS,
+    processes), so that a peak says which process holds it."""
+    parts: dict[str, tuple[int, int, int]] = {}
     stats = _proc_stats() or {}
     for pid in _tree_of(root, stats) if stats else []:
         if _unexeced_spawn(pid, stats):
             continue
+        rss = pss = 0
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
@@ -107,7 +117,22 @@ def tree_memory(root: int) -> tuple[int, int]:
                         pss += int(line.split()[1]) * 1024
         except OSError:
             continue
-    return rss, pss
+        part = _part_of(pid, root, stats)
+        had = parts.get(part, (0, 0, 0))
+        parts[part] = (had[0] + rss, had[1] + pss, had[2] + 1)
+    return parts
+
+
+def _part_of(pid: int, root: int, stats: dict[int, list[str]]) -> str:
+    if pid == root:
+        return "driver"
+    exe = _exe(pid) or ""
+    if exe.endswith("/java"):
+        return "JVM"
+    parent = int(stats[pid][1]) if pid in stats else 0
+    if (_exe(parent) or "").endswith("/java"):
+        return "daemon"
+    return "workers"
 
 
 def _exe(pid: int) -> str | None:
@@ -129,14 +154,17 @@ def _unexeced_spawn(pid: int, stats: dict[int, list[str]]) -> bool:
 
 
 class PeakMemory:
-    """Samples ``tree_memory(pid)`` every ``interval`` seconds in a thread while ``active``;
-    ``rss`` and ``pss`` are the peaks seen."""
+    """Samples ``tree_memory_parts(pid)`` every ``interval`` seconds in a thread while
+    ``active``; ``rss`` and ``pss`` are the peaks seen, ``phases`` the peak of each phase
+    (``phase``, set by the caller as the sampled process moves on) with the split by part of
+    the tree in the sample of that peak RSS."""
 
-    def __init__(self, pid: int, interval: float = 0.2) -> None:
+    def __init__(self, pid: int, interval: float = 0.2, phase: str = "all") -> None:
         import threading
 
-        self.pid, self.interval = pid, interval
+        self.pid, self.interval, self.phase = pid, interval, phase
         self.rss = self.pss = 0
+        self.phases: dict[str, PhasePeak] = {}
         self.active = True
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -145,12 +173,46 @@ class PeakMemory:
     def _sample(self) -> None:
         while not self._done.wait(self.interval):
             if self.active:
-                rss, pss = tree_memory(self.pid)
-                self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+                self.record(self.phase, tree_memory_parts(self.pid))
+
+    def record(self, phase: str, parts: dict[str, tuple[int, int, int]]) -> None:
+        """One sample of ``phase`` (``tree_memory_parts``' form)."""
+        rss, pss = sum(p[0] for p in parts.values()), sum(p[1] for p in parts.values())
+        self.rss, self.pss = max(self.rss, rss), max(self.pss, pss)
+        peak = self.phases.setdefault(phase, PhasePeak())
+        peak.pss = max(peak.pss, pss)
+        for part, (part_rss, _, _) in parts.items():
+            peak.own[part] = max(peak.own.get(part, 0), part_rss)
+        if rss > peak.rss:
+            peak.rss, peak.parts = rss, parts
 
     def stop(self) -> None:
         self._done.set()
         self._thread.join()
+
+
+class PhasePeak:
+    """A phase's peak RSS and PSS (bytes), the split of the peak RSS's sample by part, and
+    each part's own peak RSS in the phase (parts peak at different moments)."""
+
+    def __init__(self) -> None:
+        self.rss = self.pss = 0
+        self.parts: dict[str, tuple[int, int, int]] = {}
+        self.own: dict[str, int] = {}
+
+    def describe(self) -> str:
+        """'1712 MiB (PSS 1590; JVM 610, driver 190, daemon 45, 2 workers 860; own peaks
+        JVM 700, driver 190, daemon 45, workers 900)'."""
+        order = ("JVM", "driver", "daemon", "workers")
+
+        def ordered(parts):
+            return sorted(parts, key=lambda k: order.index(k) if k in order else 9)
+
+        split = ", ".join(
+            (f"{n} {k}" if k == "workers" else k) + f" {r / 2**20:.0f}"
+            for k in ordered(self.parts) for r, _, n in [self.parts[k]])
+        own = ", ".join(f"{k} {self.own[k] / 2**20:.0f}" for k in ordered(self.own))
+        return f"{self.rss / 2**20:.0f} MiB (PSS {self.pss / 2**20:.0f}; {split}; own peaks {own})"
 
 
 G1_RETURNS_IDLE_HEAP = "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 " \

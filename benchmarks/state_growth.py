@@ -34,7 +34,9 @@ Per system and S:
   restore, one batch) and from the runner's (query's) start, at the best point (the shortest
   chain of change files after a snapshot) and the worst (the longest chain) of the window;
 - peak memory: RSS and PSS summed over the process tree (JVM, Python daemon and workers),
-  sampled every 0.2 s, over the run and the recoveries.
+  sampled every 0.2 s, over the run and the recoveries; printed by phase too (the run's
+  initial state, its timed batches, each recovery), each with the split of its peak sample
+  by process (the JVM, the driver's Python, the daemon, the workers).
 
 With more than one S, ours' growth at ``GROWTH_CHANGED`` changed keys per batch from the
 smallest to the largest S (batch wall ratio) is measured in extra runs: the median of the
@@ -79,6 +81,7 @@ from _common import (  # noqa: E402
     G1_RETURNS_IDLE_HEAP,
     LOCAL_SESSION_CONF,
     PeakMemory,
+    PhasePeak,
     rocksdb_session,
     tree_cpu_seconds,
 )
@@ -86,6 +89,8 @@ from _common import (  # noqa: E402
 SYSTEMS = ("ss-rocksdb", "ours")
 SHUFFLE_PARTITIONS = 4
 SS_MAINTENANCE_INTERVAL = "2s"
+RUN_INITIAL = "run's initial state"  # memory phases: process start, session and batch 0
+RUN_BATCHES = "run's timed batches"
 KEYED_PARALLELISM = 2  # key group ranges of our keyed stage: one per core of local[2]
 GROWTH_CHANGED = 10_000
 GROWTH_BATCHES = 30
@@ -415,6 +420,7 @@ def worker_run(args, system: System) -> None:
     after each; a hard-linked copy of the checkpoint after each batch for the recoveries."""
     system.start(str(system.work / "local-run"))
     system.batch(0)
+    print(f"PHASE {RUN_BATCHES}", flush=True)  # the parent's memory peaks, by phase
     chains, before = Chains(), listing(system.checkpoint)
     walls, cpus, written, lengths = [], [], [], []
     kinds: dict[str, int] = {}
@@ -499,6 +505,7 @@ class Measured:
     peak_rss: int
     peak_pss: int
     recovery: dict[str, dict] = field(default_factory=dict)  # point -> timings
+    phases: dict[str, PhasePeak] = field(default_factory=dict)  # phase -> its peak
 
     @property
     def batch_wall(self) -> float:
@@ -509,18 +516,22 @@ class Measured:
         return sum(self.written) / len(self.written)
 
 
-def spawn(argv: list[str], sample: bool = True) -> tuple[dict, float, PeakMemory | None]:
+def spawn(argv: list[str], sample: bool = True,
+          phase: str = "all") -> tuple[dict, float, PeakMemory | None]:
     """Run a worker; its RESULT, the wall clock at its start, and its memory peaks (sampled
-    until it prints TIMED-END, or to its end)."""
+    until it prints TIMED-END, or to its end), by phase: ``phase`` from its start, then the
+    phase each ``PHASE <name>`` line it prints names."""
     errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (not a pipe: Spark's log could fill it)
     started = time.time()
     proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
                             stderr=errors, text=True)  # fmt: skip
-    peak = PeakMemory(proc.pid) if sample else None
+    peak = PeakMemory(proc.pid, phase=phase) if sample else None
     result = None
     for line in proc.stdout:
         if line.startswith("TIMED-END") and peak is not None:
             peak.active = False
+        elif line.startswith("PHASE ") and peak is not None:
+            peak.phase = line[len("PHASE ") :].strip()
         elif line.startswith("RESULT "):
             result = json.loads(line[len("RESULT ") :])
     proc.wait()
@@ -562,9 +573,11 @@ def recover(system: str, m: Measured, data: Path, work: Path, point: str, b: int
         for path in (work / "feed").glob("batch-*.parquet"):
             if int(path.stem.split("-")[1]) > b:
                 path.unlink()
+    name = f"recovery at the {point} point"
     result, started, peak = spawn(["recover", *common_argv(system, data, work, args),
-                                   "--point", str(b)])
+                                   "--point", str(b)], phase=name)
     m.peak_rss, m.peak_pss = max(m.peak_rss, peak.rss), max(m.peak_pss, peak.pss)
+    m.phases.update(peak.phases)
     m.recovery[point] = {"batch": b, "chain": m.chain_lengths[b - 1],
                          "from_process_start": result["done"] - started,
                          "from_runner_start": result["done"] - result["runner_start"],
@@ -580,10 +593,11 @@ def measure_size(size: int, changed: int, base: Path, args, order: list[str]) ->
     try:
         for system in order:
             result, _, peak = spawn(["run", *common_argv(system, data, works[system], args),
-                                     "--points"])
+                                     "--points"], phase=RUN_INITIAL)
             measured[system] = Measured(
                 result["walls"], result["written"], result["kinds"], result["chain_lengths"],
-                result["snapshots"], result["state_check"], peak.rss, peak.pss)
+                result["snapshots"], result["state_check"], peak.rss, peak.pss,
+                phases=dict(peak.phases))
             print(f"  S={size:,} {system}: run done, peak RSS {mib(peak.rss)}, load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
         points = {s: choose_points(measured[s]) for s in order}
@@ -642,6 +656,8 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         print(f"S={size:,} {system}: bytes/batch {mib(m.bytes_per_batch)} measured ({kinds}); "
               f"batch {m.batch_wall:.2f} s median; peak RSS {mib(m.peak_rss)} "
               f"(PSS {mib(m.peak_pss)}); final state {m.state_check}")
+        for phase, peak in m.phases.items():
+            print(f"    peak RSS of the {phase}: {peak.describe()}")
         snaps = ", ".join(f"{k} {v}" for k, v in sorted(m.snapshots.items()))
         print(f"    snapshots in the window: {snaps or 'none'}; longest chain "
               f"{max(m.chain_lengths)} files")

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import sessions as sb  # noqa: E402
 import state_growth as sg  # noqa: E402
-from _common import LOCAL_SESSION_CONF, tree_memory  # noqa: E402
+from _common import LOCAL_SESSION_CONF, PeakMemory, tree_memory, tree_memory_parts  # noqa: E402,I001
 
 
 def test_amounts_are_exact_decimals():
@@ -119,6 +119,66 @@ def test_tree_memory_counts_a_jvm_once_while_it_spawns(tmp_path):
         own = _rss_of(jvm.pid)
         rss, _ = tree_memory(jvm.pid)
         assert own >= 200 * 2**20 and rss < own * 1.5, (rss, own)
+    finally:
+        jvm.kill()
+        jvm.wait()
+
+
+def test_memory_peaks_are_kept_by_phase_with_the_split_of_their_sample(capsys):
+    """Each phase keeps its own peak RSS (with the split by part of that sample), its PSS and
+    each part's own peak; the overall peaks are the phases' largest; the report prints a
+    line per phase."""
+    peak = PeakMemory(os.getpid(), interval=3600)  # samples only what is recorded here
+    peak.stop()
+    mib = 2**20
+    peak.record("run's initial state", {"JVM": (600 * mib, 590 * mib, 1),
+                                        "workers": (800 * mib, 500 * mib, 2)})
+    peak.record("run's initial state", {"JVM": (900 * mib, 880 * mib, 1),
+                                        "workers": (300 * mib, 200 * mib, 2)})
+    peak.record("run's timed batches", {"JVM": (700 * mib, 690 * mib, 1),
+                                        "driver": (190 * mib, 185 * mib, 1)})
+    initial = peak.phases["run's initial state"]
+
+    assert (peak.rss, peak.pss) == (1400 * mib, 1090 * mib)
+    assert (initial.rss, initial.pss) == (1400 * mib, 1090 * mib)
+    assert initial.describe() == "1400 MiB (PSS 1090; JVM 600, 2 workers 800; own peaks JVM " \
+        "900, workers 800)"
+    assert peak.phases["run's timed batches"].describe() == \
+        "890 MiB (PSS 875; JVM 700, driver 190; own peaks JVM 700, driver 190)"
+    measured = sg.Measured([1.0], [1], {}, [1], {}, "equal", peak.rss, peak.pss,
+                           phases=peak.phases)
+    sg.report(1000, {"ours": measured}, sg.argparse.Namespace(batches=1))
+    out = capsys.readouterr().out
+    assert "    peak RSS of the run's initial state: 1400 MiB (PSS 1090; JVM 600, 2 workers " \
+        "800; own peaks JVM 900, workers 800)" in out
+    assert "    peak RSS of the run's timed batches: 890 MiB" in out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux /proc only")
+@pytest.mark.timeout(60)
+def test_tree_memory_parts_name_the_jvm_the_daemon_and_its_workers(tmp_path):
+    """Below the driver (this process): a JVM (an executable named java), the Python process
+    it started (Spark's daemon) and what that one forked (the workers), each its own part."""
+    java = tmp_path / "java"
+    java.write_bytes(Path(os.path.realpath(sys.executable)).read_bytes())
+    java.chmod(0o755)
+    # each process ends with its parent: the JVM's kill ends them all
+    daemon = ("import os, time; b = bytearray(60 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+              "os.fork(); os.fork(); p = os.getppid()\n"
+              "while os.getppid() == p: time.sleep(0.1)")
+    code = (f"import subprocess, sys, time; subprocess.Popen([{sys.executable!r}, '-c', "
+            f"{daemon!r}]); time.sleep(30)")
+    jvm = subprocess.Popen([str(java), "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while (parts := tree_memory_parts(os.getpid())).get("workers", (0, 0, 0))[2] < 3:
+            assert time.monotonic() < deadline, parts
+            time.sleep(0.1)
+        assert sorted(parts) == ["JVM", "daemon", "driver", "workers"]
+        assert (parts["JVM"][2], parts["daemon"][2], parts["workers"][2]) == (1, 1, 3)
+        assert parts["daemon"][0] >= 60 * 2**20 and parts["workers"][0] >= 3 * 60 * 2**20
+        assert sum(p[0] for p in parts.values()) == pytest.approx(
+            tree_memory(os.getpid())[0], rel=0.2)
     finally:
         jvm.kill()
         jvm.wait()

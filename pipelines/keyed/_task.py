@@ -5,7 +5,7 @@ Only plain, picklable values travel to executors: the ``CheckpointStorage`` conf
 location reference, the stage (its function pickled by cloudpickle, as Spark does) and the
 chains as ``StateHandleRef`` values. One result schema carries a range's output rows (Arrow IPC
 bytes), its change-file or snapshot handle and the batch's summary, so the stage's function
-runs once per range.
+runs once per range (once per slice of its keys for a large batch: ``_executor._key_slices``).
 """
 
 import datetime as dt

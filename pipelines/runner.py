@@ -71,6 +71,7 @@ from pipelines._results import (
 from pipelines._spec import SOURCE, StatefulPipeline
 from pipelines._stage_kinds import empty_state, stage_kinds
 from pipelines.keyed import DEFAULT_LOCAL_STORE_MAX_AGE
+from pipelines.warm_up import warm_up_workers
 
 __all__ = [
     "SCHEDULED_SAVEPOINTS",
@@ -264,6 +265,7 @@ class StatefulRunner(Restoring, CheckpointWriting):
         partitions = self.order.check_consecutive(partitions)
         if not partitions:
             return []
+        warm_up_workers(self.spark)  # the first batch's workers start during the restore
         self._allow_non_restored_state = allow_non_restored_state
         self._coordinate()
         with self.access.acquire_job_lease(

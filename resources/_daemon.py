@@ -45,6 +45,7 @@ PRELOADED = (
     "pyarrow.acero",
     "pandas",
     "pipelines.keyed",
+    "pipelines.warm_up",
 )
 
 # Settings that keep the libraries above from starting threads at import (a user's own win).

@@ -10,8 +10,8 @@ from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
+from pipelines.warm_up import warm_up_workers
 from resources._session import SESSION_SETUPS
-from resources._warmup import warm_up_workers
 
 __all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
 

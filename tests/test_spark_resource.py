@@ -175,23 +175,16 @@ _WARM_UP_CHILD = textwrap.dedent("""
     import pyarrow as pa
     from pyspark import SparkContext
 
-    import resources._warmup as warmup
+    import pipelines.warm_up as warmup
     from resources import SparkResource
 
-    def warmed(name):
-        def report(batches):  # in a Python worker: did the warm-up's task run in it?
-            import sys
+    def warmed(batches):  # in a Python worker: did the warm-up's task run in it?
+        import sys
 
-            module = sys.modules.get("resources._warmup")
-            for batch in batches:
-                yield batch.append_column(name, pa.array(
-                    [bool(module and module.warmed)] * batch.num_rows))
-        return report
-
-    def first_batch_shape(session):  # two chained mapInArrow, as a keyed pass's
-        rows = session.range(0, 2, 1, 2)
-        return sorted(tuple(r) for r in rows.mapInArrow(warmed("a"), "id long, a boolean")
-                      .mapInArrow(warmed("b"), "id long, a boolean, b boolean").collect())
+        module = sys.modules.get("pipelines.warm_up")
+        for batch in batches:
+            yield batch.append_column("warmed", pa.array(
+                [bool(module and module.warmed)] * batch.num_rows))
 
     def join_warm_up():
         for thread in threading.enumerate():
@@ -202,17 +195,10 @@ _WARM_UP_CHILD = textwrap.dedent("""
     resource.start()
     session = resource.session
     join_warm_up()
-    print("warmed", first_batch_shape(session), flush=True)
-
-    def failing(batches):
-        raise RuntimeError("the warm-up fails")
-        yield
-
-    warmup._start_worker = failing  # a warm-up whose tasks fail
-    thread = warmup.warm_up_workers(session)
-    thread.join()
-    # its workers failed and were not kept: the job forks new ones, and runs
-    print("after a failed warm-up", [r[0] for r in first_batch_shape(session)], flush=True)
+    rows = session.range(0, 2, 1, 2).mapInArrow(warmed, "id long, warmed boolean").collect()
+    print("warmed", sorted(tuple(r) for r in rows), flush=True)
+    print("once", warmup.warm_up_workers(session) is warmup._STARTED.get(session.sparkContext),
+          flush=True)
     resource.teardown_after_execution(None)
     print("stopped", warmup.warm_up_workers(session),
           SparkContext._active_spark_context is None, flush=True)
@@ -220,15 +206,14 @@ _WARM_UP_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
-def test_a_started_session_warms_up_the_first_batchs_workers_and_a_failed_warm_up_is_ignored():
-    """``SparkResource.start`` runs a warm-up job after the session's start: the tasks of a
-    job of the keyed pass's shape (two chained ``mapInArrow``, a worker each) then run in
-    workers the warm-up started. A warm-up whose tasks fail fails nothing else; on a
-    stopped session there is none (and no new SparkContext)."""
+def test_a_started_session_warms_up_its_python_workers():
+    """``SparkResource.start`` runs the warm-up after the session's start: a query's tasks
+    then run in workers the warm-up started, and a runner asking again gets that warm-up.
+    On a stopped session there is none (and no new SparkContext). The runner's side, and a
+    failing warm-up: tests/pipelines/test_warm_up.py."""
     done = subprocess.run([sys.executable, "-c", _WARM_UP_CHILD], capture_output=True,
                           text=True, timeout=280)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("warmed", "after", "stop"))]
-    assert ["warmed [(0, True, True), (1, True, True)]",
-            "after a failed warm-up [0, 1]",
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("warmed", "once", "stop"))]
+    assert ["warmed [(0, True), (1, True)]",
+            "once True",
             "stopped None True"] == lines, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "the warm-up fails" not in done.stdout

@@ -1,0 +1,107 @@
+"""The Python workers of a fresh local session, started before the run's first batch needs
+them (issue 28: the first keyed batch in a fresh process paid the Python daemon's start, its
+workers' fork and each worker's first-task setup while the run waited; docs/benchmarks.md,
+"cold_run: the workers' imports done once" and "state_growth: the first batch's workers
+warmed up by the runner").
+
+``warm_up_workers`` runs one small job in the background, one task per core, so that the
+daemon starts (importing what the workers import, ``resources._daemon``) and forks the workers
+the first batch reuses (``spark.python.worker.reuse``), and each worker's first task sets up
+its paths (pyspark's ``setup_spark_files``, which re-reads every zip on ``sys.path``), while
+the driver restores and plans. The job is an RDD's, not a query's: a query's first planning
+waits for the JVM's first Catalyst and code generation, which the batch's own query needs
+too, so a warm-up query reached its tasks no earlier than the batch did (docs/benchmarks.md);
+an RDD job reaches them at once. Spark keeps one daemon per worker environment, and an RDD's
+workers differ from a query's only by the traceback settings that the query's runner adds
+to theirs: the warm-up's function is given them (``_QUERY_WORKER_ENV``), so its workers are
+the ones the batch's ``mapInArrow`` reuse (``tests/pipelines/test_warm_up.py`` checks it).
+
+``StatefulRunner.run`` starts it (a session of the runner's user, e.g. a benchmark's, gets it
+too), and so does ``SparkResource.start`` as soon as its session exists; one per
+SparkContext, whoever asks first. Nothing waits for it; a failure is logged and ignored (the
+batch starts the workers itself, as before). Local masters only: a cluster's executors are
+long-lived and keep their workers between runs. Imports no Dagster: its tasks import this
+module in the workers.
+"""
+
+import logging
+import threading
+import weakref
+
+__all__ = ["WARM_UP_GROUP", "warm_up_workers"]
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_GROUP = "warm-up"
+"""The Spark job group of the warm-up's job."""
+
+# Set in a worker by the warm-up's tasks: the worker a later task finds it in was started early.
+warmed = False
+
+# The warm-up of each SparkContext (a stopped and rebuilt session has a new one), so that a
+# session gets one however many runners and resources ask, each run without a py4j call.
+_STARTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STARTED_LOCK = threading.Lock()
+
+# What a query's Python runner adds to its workers' environment (when its SQL setting is on),
+# and an RDD's does not: given to the warm-up's function, so that Spark hands its workers to
+# the batch's queries (Spark 4: BasePythonRunner.compute).
+_QUERY_WORKER_ENV = {
+    "SPARK_SIMPLIFIED_TRACEBACK": ("spark.sql.execution.pyspark.udf.simplifiedTraceback.enabled",
+                                   "true"),
+    "SPARK_HIDE_TRACEBACK": ("spark.sql.execution.pyspark.udf.hideTraceback.enabled", "false"),
+}
+
+
+def _start_worker(rows):
+    """A warm-up task's function: marks its worker."""
+    global warmed
+    warmed = True
+    yield from rows
+
+
+def warm_up_workers(session) -> threading.Thread | None:
+    """Start the warm-up job of ``session``'s SparkContext in a background thread, unless one
+    was started already (then that thread); None: not on this master, or stopped. It never
+    raises, and the caller never waits for it."""
+    from pyspark import SparkContext
+
+    context = session.sparkContext
+    if context is not SparkContext._active_spark_context or not context.master.startswith(
+            "local"):
+        return None  # stopped: nothing to warm up
+    with _STARTED_LOCK:
+        thread = _STARTED.get(context)
+        if thread is None:
+            thread = threading.Thread(target=_run, args=(session,), name="spark-warm-up",
+                                      daemon=True)
+            _STARTED[context] = thread
+            thread.start()
+    return thread
+
+
+def _run(session) -> None:
+    context = session.sparkContext
+    try:
+        # This thread's jobs only (a job group is the thread's local property).
+        context.setJobGroup(WARM_UP_GROUP, "Python workers started before the first batch",
+                            interruptOnCancel=True)
+        env = {name: "1" for name, (setting, default) in _QUERY_WORKER_ENV.items()
+               if session.conf.get(setting, default).lower() == "true"}
+        cores = context.defaultParallelism
+        rows = context.parallelize(range(cores), cores).mapPartitions(_start_worker)
+        # The function takes the context's environment when its JVM side is made: the
+        # query's settings for this one only (a query's function made in that instant gets
+        # what its runner adds anyway; an RDD's, the query's traceback settings).
+        added = {name: value for name, value in env.items() if name not in context.environment}
+        context.environment.update(added)
+        try:
+            rows._jrdd  # noqa: B018 (made here, with that environment)
+        finally:
+            for name in added:
+                context.environment.pop(name, None)
+        rows.collect()
+    except Exception as error:  # noqa: BLE001
+        # e.g. the session stopped, or the run's Ctrl-C cancelled every job: the batch
+        # starts its workers itself
+        logger.debug("the Python workers' warm-up did not run: %s", error)

@@ -1,0 +1,101 @@
+"""The Python workers' warm-up (``pipelines.warm_up``) on real Spark (``local[2]``), in a fresh
+process each: a runner's first batch runs in the workers the warm-up started; a session gets
+one warm-up however many ask; the runner starts it, and a failing one fails no run; a stopped
+session gets none."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PRELUDE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    from pyspark import SparkContext
+
+    import pipelines.warm_up as warm_up
+    from pipelines import StatefulRunner
+    from resources import build_spark_session
+    from tests.pipelines.support import expected, state_of, storage_of, totals_pipeline
+
+    tmp = Path(sys.argv[1])
+    marks = tmp / "marks"
+    marks.mkdir()
+
+    def mark(subtask, attempt):  # in a range's task: was its worker started by the warm-up?
+        import os
+        import sys
+
+        module = sys.modules.get("pipelines.warm_up")
+        (marks / f"{subtask}-{attempt}-{os.getpid()}").write_text(
+            str(bool(module and module.warmed)))
+
+    def first_partition(spark):
+        runner = StatefulRunner(spark, storage_of(tmp), totals_pipeline(tmp),
+                                task_after_write=mark)
+        runner.run(["p1"])
+        return expected(["p1"]) == state_of(runner)
+
+    def warm_up_jobs(spark):
+        tracker = spark.sparkContext.statusTracker()
+        return [tracker.getJobInfo(j).status
+                for j in tracker.getJobIdsForGroup(warm_up.WARM_UP_GROUP)]
+
+    spark = build_spark_session("local[2]", conf={"spark.ui.enabled": "false"})
+""")
+
+_WARMED = _PRELUDE + textwrap.dedent("""
+    thread = warm_up.warm_up_workers(spark)
+    thread.join()
+    print("exact", first_partition(spark), flush=True)
+    print("in warmed workers", sorted({m.read_text() for m in marks.iterdir()}), flush=True)
+    print("the runner's is the session's", warm_up.warm_up_workers(spark) is thread,
+          warm_up_jobs(spark), flush=True)
+    spark.stop()
+    print("stopped", warm_up.warm_up_workers(spark), SparkContext._active_spark_context,
+          flush=True)
+""")
+
+_FAILING = _PRELUDE + textwrap.dedent("""
+    def failing(rows):
+        raise RuntimeError("the warm-up fails")
+        yield
+
+    warm_up._start_worker = failing
+    print("exact", first_partition(spark), flush=True)
+    started = warm_up._STARTED.get(spark.sparkContext)  # by the runner, or None
+    started.join()
+    print("the runner's failed", warm_up_jobs(spark), flush=True)
+""")
+
+
+def _run_child(script: str, tmp_path: Path) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=280)
+    lines = [ln for ln in done.stdout.splitlines()
+             if ln.startswith(("exact", "in warmed", "the runner", "stopped"))]
+    return lines + ([] if done.returncode == 0 else [done.stdout[-2000:] + done.stderr[-3000:]])
+
+
+@pytest.mark.timeout(300)
+def test_the_first_batch_runs_in_the_warmed_up_workers(tmp_path):
+    """A warm-up started on a fresh session and joined: the runner's first partition runs
+    its ranges' tasks in workers the warm-up started (its RDD job's workers are the queries'),
+    exactly, and the runner starts no second one (one job in the warm-up's group). On the
+    stopped session there is none, and no SparkContext is made."""
+    assert ["exact True",
+            "in warmed workers ['True']",
+            "the runner's is the session's True ['SUCCEEDED']",
+            "stopped None None"] == _run_child(_WARMED, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_the_runner_starts_the_warm_up_and_its_failure_fails_nothing(tmp_path):
+    """On a fresh session the runner starts the warm-up itself; when the warm-up's tasks
+    fail, the run's state is exact all the same."""
+    assert ["exact True", "the runner's failed ['FAILED']"] == _run_child(_FAILING, tmp_path)

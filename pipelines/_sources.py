@@ -20,11 +20,11 @@ from functools import partial
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from pipelines._fsspec import FileSystemLocation
+from pipelines._map_in_arrow import map_in_arrow, with_literal
 from pipelines._parquet_state import read_parquet
 
 __all__ = ["FileSource", "Source", "SparkReadSource", "arrow_schema"]
@@ -153,9 +153,14 @@ class FileSource(Source):
     def read(self, spark: SparkSession, partition: str, batch: str) -> DataFrame:
         url = f"{self.directory(partition)}/{batch}"
         # A one-row range, not createDataFrame of a Python list: that scans a Python RDD, one
-        # more Python worker in the read's task (1-2 s of a fresh session's first batch)
-        files = spark.range(1, numPartitions=1).select(F.lit(url).alias("url"))
-        return files.mapInArrow(partial(_read_files, self), spark_schema(self.schema))
+        # more Python worker in the read's task (1-2 s of a fresh session's first batch). The
+        # read's UDF is made once per source: each batch's plan is a few py4j round trips.
+        files = with_literal(spark.range(1, numPartitions=1), _URL, url)
+        return map_in_arrow(files, partial(_read_files, self), spark_schema(self.schema),
+                            ("FileSource.read", id(self)), ["id", _URL])
+
+
+_URL = "url"  # the column of the files to read, beside the one-row range's id
 
 
 def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -163,7 +168,7 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
     source's schema."""
     target = to_arrow_schema(spark_schema(source.schema), timezone="UTC")
     for batch in rows:
-        for url in batch.column(0).to_pylist():
+        for url in batch.column(_URL).to_pylist():
             fs, path = source._location.filesystem(url)
             with fs.open(path, "rb") as f:
                 table = _read_table(f, source, url)

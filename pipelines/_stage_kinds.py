@@ -67,12 +67,13 @@ PendingLocation = Callable[[], tuple[int, CheckpointStorageLocation]]
 @dataclass
 class StageBatch:
     """What applying one batch to a stage gave: its ``output`` (pinned until the runner
-    unpersists it), its output rows, the input rows it counted in the same pass (None: it did
+    unpersists it; or a function that makes it, called only if something reads it), its
+    output rows, the input rows it counted in the same pass (None: it did
     not count them), progress notes, ``release`` to call once the output is consumed, and
     its named outputs besides ``output`` (a keyed stage's late rows, under
     ``Watermark.late_rows``), which sinks write as they write ``output``."""
 
-    output: DataFrame
+    output: DataFrame | Callable[[], DataFrame]
     output_rows: int
     input_rows: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -345,7 +346,8 @@ class KeyedStageKind(StageKind):
                          + (f"sent to {late_output}" if late_output else "dropped"))
         if result.fired_timers:
             notes.append(f"{self.stage.name}: {result.fired_timers} timer(s) fired")
-        return state, StageBatch(result.output, result.output_rows, result.input_rows,
+        # the output's plan is made only if a later stage or a sink reads it
+        return state, StageBatch(lambda: result.output, result.output_rows, result.input_rows,
                                  notes, result.release,
                                  {late_output: result.late} if late_output else {})
 

@@ -120,6 +120,14 @@ def _unmerged_state(storage: CheckpointStorage, pipeline: StatefulPipeline) -> s
     return "; ".join(unmerged) or None
 
 
+def _frame(outputs: dict, name: str) -> DataFrame:
+    """Output ``name`` of a batch, its plan made on first read (``StageBatch.output``)."""
+    output = outputs[name]
+    if not isinstance(output, DataFrame):
+        output = outputs[name] = output()
+    return output
+
+
 class StatefulRunner(Restoring, CheckpointWriting):
     """Runs ``pipeline`` over its partitions, checkpointing through ``storage``. The first of
     the pipeline's partitions starts from empty state; every other one from a snapshot.
@@ -445,7 +453,7 @@ class StatefulRunner(Restoring, CheckpointWriting):
                 notes += self._prepare_interval(states)
             try:
                 states[stage.name], result = kind.apply(
-                    outputs[self.pipeline.input_of(number)], states[stage.name],
+                    _frame(outputs, self.pipeline.input_of(number)), states[stage.name],
                     self._pending_location, index)
             except Exception as exc:
                 raise self._stage_error(stage.name, partition, batches, index, exc) from exc
@@ -458,9 +466,10 @@ class StatefulRunner(Restoring, CheckpointWriting):
             outputs.update(result.named_outputs)
         for sink in self.pipeline.sinks:
             if sink.of == "output":
-                sink.write(self.spark, outputs[sink.stage], partition, index)
+                sink.write(self.spark, _frame(outputs, sink.stage), partition, index)
         for output in outputs.values():
-            output.unpersist()
+            if isinstance(output, DataFrame):  # not a plan nothing read (never made)
+                output.unpersist()
         for result in applied:
             result.release()
         rows[SOURCE] += count

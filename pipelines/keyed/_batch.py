@@ -5,25 +5,25 @@ chains (``extend_chains``, ``FullSnapshotPolicy``) (docs/design.md, "Keyed state
 
 import contextlib
 import datetime as dt
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from functools import partial
 
 import pyarrow as pa
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from pipelines._handles import StateHandleRef
+from pipelines._map_in_arrow import map_in_arrow, repartition_by, with_literal
 from pipelines.keyed._chain import (
     KeyedStateChain,
 )
 from pipelines.keyed._executor import (
     _decode_output,
     _replay_ranges,
-    _run_partition,
     _snapshot_ranges,
     _spark_arrow_schema,
 )
@@ -31,6 +31,7 @@ from pipelines.keyed._routing import (
     _ROUTE,
     _ROUTING_FIELDS,
     OPERATOR_INDEX,
+    Routing,
     _operator_indices,
     _routes,
 )
@@ -46,6 +47,15 @@ from pipelines.keyed._task import (
     KeyedRangeResult,
     KeyedStageTask,
 )
+from pipelines.keyed._task_property import (
+    BATCH_TOKEN,
+    _run_batch_range,
+    clear_task,
+    new_token,
+    set_task,
+)
+
+_RESULT_TYPE = from_arrow_schema(_RESULT_SCHEMA)
 
 __all__ = [
     "KeyedBatch",
@@ -61,12 +71,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class KeyedBatch:
-    """The result of ``apply_keyed_batch``: the output rows (in the stage's output schema,
-    read from ``cached``), the ranges' results, the persisted pass both come from, the input
-    rows the batch had (late rows included) and their newest event time (a stage with
-    ``event_time``; None: no event time). Call ``release()`` once the output is consumed."""
+    """The result of ``apply_keyed_batch``: the ranges' results, the persisted pass they come
+    from (``cached``), the input rows the batch had (late rows included) and their newest
+    event time (a stage with ``event_time``; None: no event time); ``output``, the output rows
+    (in the stage's output schema, read from ``cached``; its plan made when first asked for).
+    Call ``release()`` once the output is consumed: a batch's rows are not read after it."""
 
-    output: DataFrame
     ranges: list[KeyedRangeResult]
     cached: DataFrame = field(repr=False)
     input_rows: int = 0
@@ -76,6 +86,10 @@ class KeyedBatch:
     late: DataFrame | None = None
     """With ``Watermark(late_rows=...)``: the late rows, in the input's schema, read from
     ``cached`` (None: the stage has no late-rows output)."""
+    output_schema: pa.Schema | None = field(default=None, repr=False)
+    """The output rows' Arrow schema as Spark hands it back (``_spark_arrow_schema``)."""
+    stage: str | None = field(default=None, repr=False)
+    """The stage whose batch task (``_task_property``) ``release`` forgets."""
 
     @property
     def fired_timers(self) -> int:
@@ -85,8 +99,19 @@ class KeyedBatch:
     def output_rows(self) -> int:
         return sum(r.output_rows for r in self.ranges)
 
+    @functools.cached_property
+    def output(self) -> DataFrame:
+        # Made when asked for: a batch whose output nothing reads (a stage without sinks or
+        # later stages) does not pay its plan's py4j round trips.
+        return map_in_arrow(self.cached.filter(_kind_in(_OUTPUT)).select("payload"),
+                            partial(_decode_output, self.output_schema),
+                            from_arrow_schema(self.output_schema, prefer_timestamp_ntz=False),
+                            ("keyed output", self.output_schema), ["payload"])
+
     def release(self) -> None:
         self.cached.unpersist()
+        if self.stage is not None:
+            clear_task(self.cached.sparkSession.sparkContext, self.stage)
 
 
 def _summary(task: KeyedStageTask, rows) -> tuple[int, dt.datetime | None, int]:
@@ -165,21 +190,23 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
         raise ValueError(f"keyed stage {task.stage.name}: the chains are not the ranges of "
                          f"parallelism {task.parallelism} (rescaled?); snapshot the new "
                          "ranges with snapshot_keyed_state first")
-    missing = [k for k in task.stage.key if k not in input.columns]
-    reserved = [f.name for f in _ROUTING_FIELDS]
-    if missing or set(reserved) & set(input.columns):
+    columns = input.schema.names  # the schema is fetched once; each .columns asks the JVM
+    missing = [k for k in task.stage.key if k not in columns]
+    reserved = [f.name for f in _ROUTING_FIELDS] + [BATCH_TOKEN]
+    if missing or set(reserved) & set(columns):
         raise ValueError(f"keyed stage {task.stage.name}: the input needs the key column(s) "
                          f"{list(task.stage.key)} and none of the columns {reserved} (they "
-                         f"route rows; rename them); it has {input.columns}")
+                         f"route rows; rename them); it has {columns}")
     event_time = task.stage.event_time
     if event_time is not None and not isinstance(
-            input.schema[event_time].dataType if event_time in input.columns else None,
+            input.schema[event_time].dataType if event_time in columns else None,
             T.TimestampType):
         raise ValueError(f"keyed stage {task.stage.name}: event_time column {event_time!r} "
                          f"must be a TIMESTAMP column of its input (cast a date or "
                          f"TIMESTAMP_NTZ column first); the input is "
                          f"{input.schema.simpleString()}")
-    input_schema = to_arrow_schema(input.schema, timezone=input.sparkSession.conf.get(
+    spark = input.sparkSession
+    input_schema = to_arrow_schema(input.schema, timezone=spark.conf.get(
         "spark.sql.session.timeZone"))
     # Here, before the batch's Spark job: a key of another type would fail in every range's
     # task, or worse, be cast into another key.
@@ -188,32 +215,48 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
         *(T.StructField(f.name, f.dataType, True, f.metadata) for f in input.schema.fields),
         *from_arrow_schema(pa.schema(_ROUTING_FIELDS)).fields])
     routes = _routes(task.parallelism)
-    routed = input.mapInArrow(partial(_operator_indices, task, routes, input_schema),
-                              routed_type)
+    # The routing and the ranges' UDFs are made once per stage (``_map_in_arrow``): the
+    # routing needs only what stays the same between batches (``Routing``), the ranges get
+    # the batch's task in a local property of its job, checked by its token
+    # (``_task_property``). The stage's identity keys them: its function is in them.
+    routing = Routing.of(task)
+    routed = map_in_arrow(input, partial(_operator_indices, routing, routes, input_schema),
+                          routed_type, ("keyed routing", id(task.stage), routing.max_parallelism,
+                                        routing.parallelism, input_schema, routed_type.json()),
+                          columns)
+    context = spark.sparkContext
+    token = new_token()
+    set_task(context, task, token)
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive
     # execution, and each range's route hashes to its own partition.
-    with _one_job_per_pass(input.sparkSession):
-        # the persisted plan is made here, so the later reads of the output use it too
-        cached = routed.repartition(task.parallelism, _ROUTE).mapInArrow(
-            partial(_run_partition, task), from_arrow_schema(_RESULT_SCHEMA)
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            # the handle and summary rows carry no payload: nothing to drop
-            handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()
-        except BaseException:
-            cached.unpersist()
-            raise
-    target = _spark_arrow_schema(task.output_schema)
-    output = cached.filter(_kind_in(_OUTPUT)).select("payload").mapInArrow(
-        partial(_decode_output, target), from_arrow_schema(target, prefer_timestamp_ntz=False))
+    try:
+        with _one_job_per_pass(spark):
+            # the persisted plan is made here, so the later reads of the output use it too
+            ranges = with_literal(repartition_by(routed, task.parallelism, _ROUTE),
+                                  BATCH_TOKEN, token)
+            cached = map_in_arrow(ranges, partial(_run_batch_range, task.stage.name),
+                                  _RESULT_TYPE, ("keyed ranges", task.stage.name),
+                                  [*routed_type.names, BATCH_TOKEN]).cache()
+            try:
+                # the handle and summary rows carry no payload: nothing to drop
+                handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()
+                results, summary = _results(task, handles), _summary(task, handles)
+            except BaseException:
+                cached.unpersist()
+                raise
+    except BaseException:  # no KeyedBatch to release: later jobs must not carry the task
+        clear_task(context, task.stage.name)
+        raise
     late = None
     watermark = task.stage.watermark
     if watermark is not None and watermark.late_rows:
-        late = cached.filter(_kind_in(_LATE)).select("payload").mapInArrow(
-            partial(_decode_output, to_arrow_schema(input.schema, timezone="UTC")),
-            input.schema)
-    return KeyedBatch(output, _results(task, handles), cached, *_summary(task, handles),
-                      late=late)
+        late_schema = to_arrow_schema(input.schema, timezone="UTC")
+        late = map_in_arrow(cached.filter(_kind_in(_LATE)).select("payload"),
+                            partial(_decode_output, late_schema), input.schema,
+                            ("keyed late rows", input.schema.json()), ["payload"])
+    return KeyedBatch(results, cached, *summary, late=late,
+                      output_schema=_spark_arrow_schema(task.output_schema),
+                      stage=task.stage.name)
 
 
 def extend_chains(chains: Sequence[KeyedStateChain],

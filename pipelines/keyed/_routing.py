@@ -7,6 +7,7 @@ time), so every range's task sees the whole batch's clock without a Spark job of
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ import pyarrow.compute as pc
 from pipelines.keyed._key_groups import (
     hash_keys,
 )
+from pipelines.keyed._stage import KeyedStage
 from pipelines.keyed._task import (
     KeyedStageTask,
     _micros,
@@ -72,13 +74,28 @@ def _routes(partitions: int) -> tuple[int, ...]:
     return _ROUTES[partitions]
 
 
+@dataclass(frozen=True)
+class Routing:
+    """What routing needs of a keyed task, the same for every batch of a run: the stage (its
+    key, its event time) and its ranges. A batch's routing UDF is made once from it
+    (``apply_keyed_batch``), where a whole ``KeyedStageTask`` changes every batch."""
+
+    stage: KeyedStage
+    max_parallelism: int
+    parallelism: int
+
+    @classmethod
+    def of(cls, task: KeyedStageTask) -> "Routing":
+        return cls(task.stage, task.max_parallelism, task.parallelism)
+
+
 def _routed_schema(input: pa.Schema) -> pa.Schema:
     """The routed rows: the input's columns, nullable (a summary row has no values), and the
     routing columns."""
     return pa.schema([*(f.with_nullable(True) for f in input), *_ROUTING_FIELDS])
 
 
-def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.Schema,
+def _operator_indices(task: "KeyedStageTask | Routing", routes: tuple[int, ...], input: pa.Schema,
                       batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: each row's owning range, from the stable key hash, and its
     range's route; then one summary row per range: this task's rows read and their newest
@@ -105,7 +122,7 @@ def _operator_indices(task: KeyedStageTask, routes: tuple[int, ...], input: pa.S
         schema=schema)
 
 
-def _operator_indices_of(task: KeyedStageTask, table: pa.Table) -> np.ndarray:
+def _operator_indices_of(task: "KeyedStageTask | Routing", table: pa.Table) -> np.ndarray:
     """Each row's range (Flink's compute_operator_index_for_key_group, vectorised). A row
     without a key goes to range 0, which refuses it unless it is late: only the range's task
     knows the batch's clock."""

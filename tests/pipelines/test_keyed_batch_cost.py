@@ -22,6 +22,7 @@ from pipelines.keyed import (
     _store,
     apply_keyed_batch,
     compute_key_group_range_for_operator_index,
+    extend_chains,
     local_store_directory,
 )
 from pipelines.keyed import _local_stores as local_stores
@@ -215,21 +216,12 @@ def test_forget_open_stores_closes_them(one_range):
 def test_planning_a_keyed_batch_takes_few_py4j_round_trips(spark, tmp_path, monkeypatch):
     """The driver plans every keyed batch anew, and each py4j round trip waits on the JVM (on
     a loaded machine, for a time slice): the result filters are SQL strings, one call each,
-    not ``Column`` expressions (dozens). Counted on this thread, the batch's job included."""
-    from py4j import clientserver
-
+    not ``Column`` expressions (dozens); the routing and ranges' UDFs are made once per stage
+    (the task in a local property); the output's plan is made only when read (here it is
+    not). Counted on this thread, the batch's job and its release included."""
     job = Job(tmp_path, 2)
     job.run(spark, 0)  # the session's first batch: its one-off lookups are not counted
-    calls = []
-    send = clientserver.ClientServerConnection.send_command
-    caller = threading.get_ident()
-
-    def counted(connection, command):
-        if threading.get_ident() == caller:  # not py4j's garbage collection thread
-            calls.append(command.split("\n", 1)[0])
-        return send(connection, command)
-
-    monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
+    calls = _py4j_calls(monkeypatch)
     frame = spark.createDataFrame([(u,) for u in BATCHES[1]], "user string")
     task = job.task(1)
     before = len(calls)
@@ -239,4 +231,97 @@ def test_planning_a_keyed_batch_takes_few_py4j_round_trips(spark, tmp_path, monk
     assert planned <= BATCH_PY4J_CALLS, planned
 
 
-BATCH_PY4J_CALLS = 150  # 132 measured (Spark 4, py4j); 211 with Column expressions
+BATCH_PY4J_CALLS = 30  # 22 measured (Spark 4, py4j); 132 with each batch's UDFs made anew,
+# 211 with Column expressions
+
+
+def _py4j_calls(monkeypatch) -> list[str]:
+    """The py4j round trips of this thread from now on (not py4j's garbage collection's)."""
+    from py4j import clientserver
+
+    calls = []
+    send = clientserver.ClientServerConnection.send_command
+    caller = threading.get_ident()
+
+    def counted(connection, command):
+        if threading.get_ident() == caller:
+            calls.append(command.split("\n", 1)[0])
+        return send(connection, command)
+
+    monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
+    return calls
+
+
+def _output(batch) -> dict[str, int]:
+    return {row["user"]: row["clicks"] for row in batch.output.collect()}
+
+
+@pytest.mark.timeout(300)
+def test_the_batch_udfs_made_once_run_each_batch_on_its_own_task(spark, tmp_path):
+    """The routing and ranges' UDFs are made once per stage and the batch's task travels in a
+    local property: each batch still runs on its own chains (the counts go on from the
+    previous batch) and input rows."""
+    job = Job(tmp_path, 2)
+    outputs = []
+    for batch in range(2):
+        frame = spark.createDataFrame([(u,) for u in BATCHES[batch]], "user string")
+        result = apply_keyed_batch(frame, job.task(batch))
+        outputs.append(_output(result))
+        job.chains = extend_chains(job.chains, result.ranges)
+        result.release()
+    assert [{"ann": 2, "bob": 1, "cid": 1},
+            {"bob": 2, "eve": 1, "ann": 3, "fay": 1, "gus": 2}] == outputs
+
+
+def _shared_files(tmp_path) -> list[str]:
+    return sorted(str(p) for p in (tmp_path / "checkpoints").rglob("*") if p.is_file())
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_computed_again_under_a_later_batch_fails_and_writes_nothing(spark, tmp_path):
+    """The task is the thread's local property, not the plan's: rows of an earlier batch
+    computed again once a later batch of the stage started (here: its cached pass dropped,
+    then its output read) carry another token than the property's task, and the range's
+    task refuses them before it touches a store or writes a file; after ``release()`` it
+    finds no task at all."""
+    job = Job(tmp_path, 2)
+    first = apply_keyed_batch(spark.createDataFrame([(u,) for u in BATCHES[0]], "user string"),
+                              job.task(0))
+    job.chains = extend_chains(job.chains, first.ranges)
+    second = apply_keyed_batch(spark.createDataFrame([(u,) for u in BATCHES[1]],
+                                                     "user string"), job.task(1))
+    first.cached.unpersist()  # what losing its cached blocks does: computed again when read
+    written = _shared_files(tmp_path)
+    with pytest.raises(Exception, match="rows of an earlier batch were computed again"):
+        first.output.collect()
+    assert written == _shared_files(tmp_path)
+    second.release()
+    with pytest.raises(Exception, match="found no batch to run"):
+        second.output.collect()
+    assert written == _shared_files(tmp_path)
+    first.release()
+
+
+@pytest.mark.timeout(300)
+def test_reading_a_file_source_batch_takes_few_py4j_round_trips(spark, tmp_path, monkeypatch):
+    """The read's UDF is made once per source: a batch's read is a few round trips, and
+    reads the batch it names."""
+    import pyarrow.parquet as pq
+
+    from pipelines import FileSource
+
+    day = tmp_path / "landing" / "d1"
+    day.mkdir(parents=True)
+    for name, users in (("batch-0.parquet", ["ann"]), ("batch-1.parquet", ["bob", "cid"])):
+        pq.write_table(pa.table({"user": users}), day / name)
+    source = FileSource(url=f"{tmp_path}/landing/{{partition}}", schema="user string")
+    first = source.read(spark, "d1", "batch-0.parquet").collect()
+    calls = _py4j_calls(monkeypatch)
+    second = source.read(spark, "d1", "batch-1.parquet")
+    planned = len(calls)
+    assert [["ann"], ["bob", "cid"]] == [[r["user"] for r in first],
+                                         [r["user"] for r in second.collect()]]
+    assert planned <= READ_PY4J_CALLS, planned
+
+
+READ_PY4J_CALLS = 6  # 4 measured; 51 with the UDF made anew and a Column expression

@@ -273,7 +273,6 @@ class StatefulRunner(Restoring, CheckpointWriting):
         partitions = self.order.check_consecutive(partitions)
         if not partitions:
             return []
-        warm_up_workers(self.spark)  # the first batch's workers start during the restore
         self._allow_non_restored_state = allow_non_restored_state
         self._coordinate()
         with self.access.acquire_job_lease(
@@ -291,6 +290,9 @@ class StatefulRunner(Restoring, CheckpointWriting):
         self._store = self._recover_store()
         head = head_of(self._store.all(), self.order)
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
+        # the first batch's workers start while the driver plans it (a run whose restore
+        # fails does no Spark work)
+        warm_up_workers(self.spark)
         if on_progress is not None:
             on_progress(
                 f"restored {origin} ({position})" if origin else "starting from empty state"

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# each test starts its own JVM in a child process (the conftest sees no Spark fixture)
+pytestmark = pytest.mark.spark
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _PRELUDE = textwrap.dedent("""

@@ -325,3 +325,22 @@ def count_clicks(input: pa.Table, state: pa.Table) -> KeyedResult:
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def py4j_calls(monkeypatch) -> list[str]:
+    """The py4j round trips of this thread from now on (not py4j's garbage collection's)."""
+    import threading
+
+    from py4j import clientserver
+
+    calls = []
+    send = clientserver.ClientServerConnection.send_command
+    caller = threading.get_ident()
+
+    def counted(connection, command):
+        if threading.get_ident() == caller:
+            calls.append(command.split("\n", 1)[0])
+        return send(connection, command)
+
+    monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
+    return calls

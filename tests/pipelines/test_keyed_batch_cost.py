@@ -5,7 +5,6 @@ every state a power loss can leave is refused or opens as a stale ``version``.""
 
 import os
 import sys
-import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,7 +26,13 @@ from pipelines.keyed import (
 )
 from pipelines.keyed import _local_stores as local_stores
 from pipelines.keyed._local_stores import _locked_store, forget_open_stores
-from tests.pipelines.support import CLICK_COUNT_STATE, InjectedFault, as_model, count_clicks
+from tests.pipelines.support import (
+    CLICK_COUNT_STATE,
+    InjectedFault,
+    as_model,
+    count_clicks,
+    py4j_calls,
+)
 
 MAX_PARALLELISM = 8
 STATE = CLICK_COUNT_STATE
@@ -221,7 +226,7 @@ def test_planning_a_keyed_batch_takes_few_py4j_round_trips(spark, tmp_path, monk
     not). Counted on this thread, the batch's job and its release included."""
     job = Job(tmp_path, 2)
     job.run(spark, 0)  # the session's first batch: its one-off lookups are not counted
-    calls = _py4j_calls(monkeypatch)
+    calls = py4j_calls(monkeypatch)
     frame = spark.createDataFrame([(u,) for u in BATCHES[1]], "user string")
     task = job.task(1)
     before = len(calls)
@@ -233,23 +238,6 @@ def test_planning_a_keyed_batch_takes_few_py4j_round_trips(spark, tmp_path, monk
 
 BATCH_PY4J_CALLS = 30  # 22 measured (Spark 4, py4j); 132 with each batch's UDFs made anew,
 # 211 with Column expressions
-
-
-def _py4j_calls(monkeypatch) -> list[str]:
-    """The py4j round trips of this thread from now on (not py4j's garbage collection's)."""
-    from py4j import clientserver
-
-    calls = []
-    send = clientserver.ClientServerConnection.send_command
-    caller = threading.get_ident()
-
-    def counted(connection, command):
-        if threading.get_ident() == caller:
-            calls.append(command.split("\n", 1)[0])
-        return send(connection, command)
-
-    monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
-    return calls
 
 
 def _output(batch) -> dict[str, int]:
@@ -316,7 +304,7 @@ def test_reading_a_file_source_batch_takes_few_py4j_round_trips(spark, tmp_path,
         pq.write_table(pa.table({"user": users}), day / name)
     source = FileSource(url=f"{tmp_path}/landing/{{partition}}", schema="user string")
     first = source.read(spark, "d1", "batch-0.parquet").collect()
-    calls = _py4j_calls(monkeypatch)
+    calls = py4j_calls(monkeypatch)
     second = source.read(spark, "d1", "batch-1.parquet")
     planned = len(calls)
     assert [["ann"], ["bob", "cid"]] == [[r["user"] for r in first],

@@ -161,16 +161,8 @@ def test_a_range_task_holds_its_input_rows_once(tmp_path):
     from pipelines.keyed._executor import _run_partition
     from pipelines.keyed._routing import _operator_indices, _routes
 
-    stage = KeyedStage("clicks", "user", CLICK_COUNT_STATE, count_clicks)
-    storage = FileSystemCheckpointStorage(str(tmp_path / "checkpoints"))
-    job_id = JobID.generate()
-    access = storage.create_checkpoint_storage(job_id)
-    access.initialize_base_locations()
-    location = access.initialize_location_for_checkpoint(1)
-    everything = (KeyedStateChain(compute_key_group_range_for_operator_index(
-        MAX_PARALLELISM, 1, 0), None),)
-    task = KeyedStageTask(storage, str(job_id), 1, location.location_reference, stage, OUTPUT,
-                          MAX_PARALLELISM, 1, everything, 0, local_dir=str(tmp_path / "local"))
+    task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
+                                                 count_clicks))
     previous = pa.default_memory_pool()
     proxy = pa.proxy_memory_pool(previous)
     pa.set_memory_pool(proxy)

@@ -3,7 +3,6 @@
 of its output does not prune its input, and a plan costs one py4j round trip."""
 
 import sys
-import threading
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -12,6 +11,7 @@ import pytest
 from pyspark import cloudpickle
 
 from pipelines._map_in_arrow import map_in_arrow, repartition_by, with_literal
+from tests.pipelines.support import py4j_calls
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SCHEMA = "total long, names string"
@@ -42,21 +42,10 @@ def test_a_cached_udf_maps_each_plans_own_rows_unpruned(spark):
 
 @pytest.mark.timeout(300)
 def test_a_cached_plan_is_one_py4j_round_trip_a_piece(spark, monkeypatch):
-    from py4j import clientserver
-
     frame = spark.range(4).selectExpr("id AS a", "id AS b")
     map_in_arrow(repartition_by(with_literal(frame, "t", 1), 2, "a"), _sums, SCHEMA,
                  ("test sums",), ["a", "b", "t"])
-    calls = []
-    send = clientserver.ClientServerConnection.send_command
-    caller = threading.get_ident()
-
-    def counted(connection, command):
-        if threading.get_ident() == caller:
-            calls.append(command.split("\n", 1)[0])
-        return send(connection, command)
-
-    monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
+    calls = py4j_calls(monkeypatch)
     planned = map_in_arrow(repartition_by(with_literal(frame, "t", 7), 2, "a"), _sums,
                            SCHEMA, ("test sums",), ["a", "b", "t"])
     assert len(calls) <= 4, calls  # the literal, the projection, the repartition, the UDF

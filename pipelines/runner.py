@@ -123,7 +123,7 @@ def _unmerged_state(storage: CheckpointStorage, pipeline: StatefulPipeline) -> s
 def _frame(outputs: dict, name: str) -> DataFrame:
     """Output ``name`` of a batch, its plan made on first read (``StageBatch.output``)."""
     output = outputs[name]
-    if not isinstance(output, DataFrame):
+    if callable(output):  # the function that makes it (a DataFrame is not callable)
         output = outputs[name] = output()
     return output
 
@@ -470,7 +470,7 @@ class StatefulRunner(Restoring, CheckpointWriting):
             if sink.of == "output":
                 sink.write(self.spark, _frame(outputs, sink.stage), partition, index)
         for output in outputs.values():
-            if isinstance(output, DataFrame):  # not a plan nothing read (never made)
+            if not callable(output):  # a plan nothing read was never made
                 output.unpersist()
         for result in applied:
             result.release()

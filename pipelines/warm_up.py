@@ -93,13 +93,14 @@ def _run(session) -> None:
         # The function takes the context's environment when its JVM side is made: the
         # query's settings for this one only (a query's function made in that instant gets
         # what its runner adds anyway; an RDD's, the query's traceback settings).
-        added = {name: value for name, value in env.items() if name not in context.environment}
-        context.environment.update(added)
+        # A new dict in its place, never the shared one changed: another thread may be
+        # iterating it (PySpark reads it whole when it wraps any Python function).
+        original = context.environment
+        context.environment = {**env, **original}
         try:
             rows._jrdd  # noqa: B018 (made here, with that environment)
         finally:
-            for name in added:
-                context.environment.pop(name, None)
+            context.environment = original
         rows.collect()
     except Exception as error:  # noqa: BLE001
         # e.g. the session stopped, or the run's Ctrl-C cancelled every job: the batch

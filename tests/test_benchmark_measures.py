@@ -4,6 +4,7 @@ lengths that choose the recovery points, and the memory of a process tree; and
 benchmarks/sessions.py's batches and recomputation."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -167,21 +168,26 @@ def test_tree_memory_parts_name_the_jvm_the_daemon_and_its_workers(tmp_path):
               "os.fork(); os.fork(); p = os.getppid()\n"
               "while os.getppid() == p: time.sleep(0.1)")
     code = (f"import subprocess, sys, time; subprocess.Popen([{sys.executable!r}, '-c', "
-            f"{daemon!r}]); time.sleep(30)")
-    jvm = subprocess.Popen([str(java), "-c", code])
+            f"{daemon!r}]); time.sleep(60)")
+    # The driver is a child of its own, so that this process's other children (a test
+    # runner's) are not in the tree; its session's kill ends every process of the tree.
+    driver = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, time; "
+         f"subprocess.Popen([{str(java)!r}, '-c', {code!r}]); time.sleep(60)"],
+        start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while (parts := tree_memory_parts(os.getpid())).get("workers", (0, 0, 0))[2] < 3:
+        while (parts := tree_memory_parts(driver.pid)).get("workers", (0, 0, 0))[2] < 3:
             assert time.monotonic() < deadline, parts
             time.sleep(0.1)
         assert sorted(parts) == ["JVM", "daemon", "driver", "workers"]
         assert (parts["JVM"][2], parts["daemon"][2], parts["workers"][2]) == (1, 1, 3)
         assert parts["daemon"][0] >= 60 * 2**20 and parts["workers"][0] >= 3 * 60 * 2**20
         assert sum(p[0] for p in parts.values()) == pytest.approx(
-            tree_memory(os.getpid())[0], rel=0.2)
+            tree_memory(driver.pid)[0], rel=0.2)
     finally:
-        jvm.kill()
-        jvm.wait()
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
 
 
 def _parent(pid: str) -> int:

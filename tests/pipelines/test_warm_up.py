@@ -53,8 +53,30 @@ _PRELUDE = textwrap.dedent("""
 """)
 
 _WARMED = _PRELUDE + textwrap.dedent("""
+    class Recording(dict):  # the context's environment, recording every change made to it
+        changes = []
+
+        def __setitem__(self, key, value):
+            self.changes.append(key)
+            super().__setitem__(key, value)
+
+        def __delitem__(self, key):
+            self.changes.append(key)
+            super().__delitem__(key)
+
+        def update(self, *args, **kwargs):
+            self.changes.append("update")
+            super().update(*args, **kwargs)
+
+        def pop(self, *args):
+            self.changes.append("pop")
+            return super().pop(*args)
+
+    shared = spark.sparkContext.environment = Recording(spark.sparkContext.environment)
     thread = warm_up.warm_up_workers(spark)
     thread.join()
+    print("the shared environment", Recording.changes, spark.sparkContext.environment is shared,
+          flush=True)
     print("exact", first_partition(spark), flush=True)
     print("in warmed workers", sorted({m.read_text() for m in marks.iterdir()}), flush=True)
     print("the runner's is the session's", warm_up.warm_up_workers(spark) is thread,
@@ -81,7 +103,7 @@ def _run_child(script: str, tmp_path: Path) -> list[str]:
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     lines = [ln for ln in done.stdout.splitlines()
-             if ln.startswith(("exact", "in warmed", "the runner", "stopped"))]
+             if ln.startswith(("exact", "in warmed", "the runner", "the shared", "stopped"))]
     return lines + ([] if done.returncode == 0 else [done.stdout[-2000:] + done.stderr[-3000:]])
 
 
@@ -90,8 +112,11 @@ def test_the_first_batch_runs_in_the_warmed_up_workers(tmp_path):
     """A warm-up started on a fresh session and joined: the runner's first partition runs
     its ranges' tasks in workers the warm-up started (its RDD job's workers are the queries'),
     exactly, and the runner starts no second one (one job in the warm-up's group). On the
-    stopped session there is none, and no SparkContext is made."""
-    assert ["exact True",
+    stopped session there is none, and no SparkContext is made. The context's environment,
+    which PySpark reads whole in any thread that wraps a Python function, is never changed
+    in place (a run failed with "dictionary changed size during iteration")."""
+    assert ["the shared environment [] True",
+            "exact True",
             "in warmed workers ['True']",
             "the runner's is the session's True ['SUCCEEDED']",
             "stopped None None"] == _run_child(_WARMED, tmp_path)

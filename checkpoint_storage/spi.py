@@ -84,8 +84,6 @@ from checkpoint_storage._file_merging import (
     DEFAULT_MAX_FILE_SIZE,
     FileMergingSnapshotManager,
     FileMergingType,
-    LogicalFile,
-    PhysicalFile,
     PhysicalFilePoolType,
     SpaceStat,
     SubtaskKey,
@@ -130,6 +128,7 @@ from checkpoint_storage._metadata import (
     store_checkpoint_metadata,
 )
 from checkpoint_storage._metadata_json import decode_master_state
+from checkpoint_storage._physical_files import LogicalFile, PhysicalFile
 from checkpoint_storage._references import (
     CheckpointedStateScope,
     CheckpointStorageLocationReference,

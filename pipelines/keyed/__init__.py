@@ -120,7 +120,7 @@ _ELSEWHERE = {
     "StateTtl": "pipelines.keyed._stage",
     "TtlTimeCharacteristic": "pipelines.keyed._stage",
     "key_type_fits": "pipelines.keyed._stage",
-    "forget_verified_files": "pipelines.keyed._store",
+    "forget_verified_files": "pipelines.keyed._store_verification",
     "remove_store": "pipelines.keyed._store",
     "TTL_TIME": "pipelines.keyed._variables",
     "VARIABLES_METADATA": "pipelines.keyed._variables",

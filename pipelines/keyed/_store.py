@@ -23,29 +23,17 @@ before Arrow parses it: a flipped bit, a truncated, missing or stale file raises
 ``LocalStoreError`` naming it, and the caller rebuilds from the chain. Nothing is fsynced: a
 power loss may leave a torn, zero-filled or missing file, or an older or empty manifest, and
 each of these fails that check (or opens as an older ``version``, which the caller rebuilds);
-the checkpoint, not the store, is what is durable. Hashing a file costs
-about 0.2 s per GB (zlib's CRC-32 reads at ~6 GB/s here), once per process: a file verified, or
-written, by this process is remembered by its (path, device, inode, size, mtime, ctime,
-checksum) and not hashed again while those hold. The processes of one executor share this:
-the manifest records which files its writer verified or wrote and their (device, inode, size,
-mtime, ctime), with the writer's executor (the parent process, e.g. Spark's Python daemon that
-forks the workers, and the machine's boot id); a sibling worker takes a file whose stat still
-matches as verified. A range's task runs in either worker, so without it each worker hashed
-the segment the other had just written (236 MB a range at 8M keys). A power loss reboots (a
-new boot id), a write changes the ctime: either way the file is hashed again.
+the checkpoint, not the store, is what is durable. A file is hashed once per executor, not
+at every open: ``_store_verification`` (its docstring says how and what it saves).
 """
 
 import base64
-import functools
 import json
 import os
 import re
 import shutil
-import threading
 import uuid
-import zlib
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +43,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
+from pipelines.keyed._key_groups import KeyGroupRange, group_hash_order, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._store_verification import (
+    _VERIFIED,
+    _body_checksum,
+    _ChecksummedFile,
+    _executor_identity,
+    _file_checksum,
+    _siblings_claims,
+    _signature,
+    _stat_signature,
+    forget_verified_files,
+)
 
 __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "forget_verified_files",
            "group_hash_order", "remove_store", "stored_version"]
@@ -70,7 +69,6 @@ _STORE_FORMAT = "arrow-keyed-store-v3"
 _PREFIXES = ("segment-", "run-", f".{_MANIFEST}")
 _FILE_NAME = re.compile(r"(segment|run)-[0-9a-f]{32}\.arrow")
 _IN_SEGMENT, _ABSENT = -1, -2
-_HASH_CHUNK = 8 << 20
 
 
 class LocalStoreError(ValueError):
@@ -747,115 +745,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
         remove_store(self.directory)
 
 
-class _ChecksummedFile:
-    """A binary file that Arrow writes through, keeping the CRC-32 of what was written: the
-    checksum comes without reading the file back."""
-
-    def __init__(self, file) -> None:
-        self._file = file
-        self.checksum = 0
-        self.closed = False
-
-    def write(self, data) -> int:
-        self.checksum = zlib.crc32(data, self.checksum)
-        return self._file.write(data)
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        self.closed = True  # the caller closes the file, after fsync
-
-
-class _VerifiedFiles:
-    """The store files this process verified or wrote, by signature (bounded, oldest out): a
-    batch's task opens its store at every batch and must not hash an unchanged file again."""
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._capacity = capacity
-        self._signatures: OrderedDict[tuple, None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def holds(self, signature: tuple) -> bool:
-        with self._lock:
-            return signature in self._signatures
-
-    def add(self, signature: tuple) -> None:
-        with self._lock:
-            self._signatures[signature] = None
-            self._signatures.move_to_end(signature)
-            while len(self._signatures) > self._capacity:
-                self._signatures.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._signatures.clear()
-
-
-_VERIFIED = _VerifiedFiles()
-
-
-def forget_verified_files() -> None:
-    """Forget which store files this process verified or wrote, so that the next open of each
-    hashes it again, as the first open in a new Python worker does (benchmarks measure it)."""
-    _VERIFIED.clear()
-
-
-def _signature(path: Path, stat: os.stat_result, checksum: int) -> tuple:
-    # ctime too: a write that restores the mtime (os.utime) cannot restore it
-    return (str(path), *_stat_signature(stat), checksum)
-
-
-@functools.cache
-def _executor_of(parent: int) -> str | None:
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{parent}/stat").read_text()
-        started = stat[stat.rindex(")") + 2:].split()[19]  # field 22: the start time
-    except (OSError, ValueError, IndexError):
-        return None  # no /proc (not Linux): each process hashes what it did not write
-    return f"{boot}/{parent}/{started}"
-
-
-def _executor_identity() -> str | None:
-    """The executor whose processes share verified files: this process's parent (the Python
-    daemon that forks Spark's workers) by pid and start time, in this boot of the machine.
-    None for an orphan (its parent gone) or without /proc."""
-    parent = os.getppid()
-    return None if parent <= 1 else _executor_of(parent)
-
-
-def _siblings_claims(verified) -> dict[str, list] | None:
-    """The stat signatures of the files a manifest's writer verified or wrote, if it was
-    another process of this executor (its own claims this process remembers, or forgot on
-    purpose: ``forget_verified_files``); None if not, or if the record is not one."""
-    try:
-        if (verified["executor"] is None or verified["executor"] != _executor_identity()
-                or verified["pid"] == os.getpid()):
-            return None
-        return {str(name): list(stat) for name, stat in verified["files"].items()}
-    except (TypeError, KeyError, AttributeError):
-        return None  # none recorded (an older manifest): hashed
-
-
-def _file_checksum(path: Path) -> int:
-    checksum = 0
-    buffer = bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as file:
-        while read := file.readinto(buffer):
-            checksum = zlib.crc32(view[:read], checksum)
-    return checksum
-
-
-def _stat_signature(stat: os.stat_result) -> tuple:
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-
-
-def _body_checksum(body: dict) -> int:
-    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
-
-
 @dataclass(frozen=True)
 class _Run:
     """One batch's changes (or several compacted): each key once, sorted by hash."""
@@ -864,14 +753,6 @@ class _Run:
     table: pa.Table
     hashes: np.ndarray
     deleted: np.ndarray
-
-
-def group_hash_order(groups: np.ndarray, hashes: np.ndarray) -> np.ndarray:
-    """The permutation that sorts rows by key group, then key hash: a full snapshot's order.
-    By hash, then stably by key group as int16 (numpy's radix sort): about 3x faster than
-    Arrow's sort_by or numpy's lexsort."""
-    order = np.argsort(hashes)
-    return order[np.argsort(groups[order].astype(np.int16), kind="stable")]
 
 
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:

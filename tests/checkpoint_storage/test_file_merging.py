@@ -714,3 +714,43 @@ def test_cli_inspect_shows_segments_and_verify_checks_each(tmp_path, capsys):
         [(p.path, p.kind) for p in report.problems],
     )
     assert expected == actual
+
+
+def test_a_physical_file_is_deleted_once_closed_and_unreferenced_and_only_if_owned():
+    """The files of file merging (their own module): a logical file keeps its physical file;
+    a file restored from elsewhere (not owned) is never deleted."""
+    from checkpoint_storage._physical_files import LogicalFile, PhysicalFile
+
+    deleted = []
+    owned = PhysicalFile(io.BytesIO(), "memory://a", deleted.append, SHARED)
+    owned.write(memoryview(b"abc"))
+    segment = LogicalFile("l1", owned, 0, 3, key(0))
+    owned.close()
+    kept = list(deleted)
+    segment.discard_with_checkpoint_id(1)
+    restored = PhysicalFile(None, "memory://b", deleted.append, SHARED, owned=False)
+    LogicalFile("l2", restored, 0, 1, key(0)).discard_with_checkpoint_id(1)
+
+    assert (kept, deleted, restored.deleted) == ([], [owned], True)
+
+
+def test_the_non_blocking_pool_takes_back_a_file_until_it_is_full():
+    from checkpoint_storage._physical_files import NonBlockingPhysicalFilePool, PhysicalFile
+
+    created = []
+
+    def create(subtask_key, scope):
+        created.append(PhysicalFile(io.BytesIO(), f"memory://{len(created)}", None, scope))
+        return created[-1]
+
+    pool = NonBlockingPhysicalFilePool(4, create)
+    first = pool.poll_file(key(0), SHARED)
+    first.write(memoryview(b"ab"))
+    returned = pool.try_put_file(key(0), first)
+    again = pool.poll_file(key(0), SHARED)
+    again.write(memoryview(b"cd"))
+    full_returned = pool.try_put_file(key(0), again)
+    other = pool.poll_file(key(0), SHARED)
+
+    assert (returned, again is first, full_returned, other is first, len(created)) == (
+        True, True, False, False, 2)

@@ -265,3 +265,44 @@ def test_fuzzed_metadata_never_crashes_or_hangs(seed, flips, huge, cut) -> None:
         data = data[: cut % (len(data) + 1)]
     with contextlib.suppress(FlinkMetadataError, UnsafePathError):
         parse_flink_metadata(bytes(data), directory="/x")
+
+
+def _java_utf(text: str) -> bytes:
+    return struct.pack(">H", len(text)) + text.encode()
+
+
+def _java_class(name: str, flags: int, fields: bytes, count: int) -> bytes:
+    """TC_CLASSDESC, a serialVersionUID, ``flags``, ``count`` fields, no annotations, no
+    superclass."""
+    return (b"\x72" + _java_utf(name) + b"\0" * 8 + bytes([flags])
+            + struct.pack(">H", count) + fields + b"\x78\x70")
+
+
+def test_the_java_serialization_reader_reads_fields_strings_and_back_references():
+    """The reader of the trailing CheckpointProperties (its own module): a boolean, a string
+    and a back reference to that string, as plain data."""
+    from checkpoint_storage._flink_java_serialization import JavaObject, read_java_object
+    from checkpoint_storage._flink_metadata import _Reader
+
+    string_type = b"\x74" + _java_utf("Ljava/lang/String;")  # handle 1 (the class is 0)
+    fields = (b"Z" + _java_utf("forced") + b"L" + _java_utf("name") + string_type
+              + b"L" + _java_utf("again") + b"\x71" + struct.pack(">i", 0x7E0001))
+    stream = (b"\xac\xed\x00\x05\x73" + _java_class("org.example.Props", 0x02, fields, 3)
+              + b"\x01" + b"\x74" + _java_utf("x")  # the object is handle 2, "x" handle 3
+              + b"\x71" + struct.pack(">i", 0x7E0003))
+    reader = _Reader(stream, "/x/_metadata")
+
+    value = read_java_object(reader)
+
+    assert (value, reader.remaining()) == (
+        JavaObject("org.example.Props", {"forced": True, "name": "x", "again": "x"}), 0)
+
+
+def test_the_java_serialization_reader_refuses_a_class_with_its_own_write_object():
+    from checkpoint_storage._flink_java_serialization import read_java_object
+    from checkpoint_storage._flink_metadata import _Reader
+
+    stream = b"\xac\xed\x00\x05\x73" + _java_class("org.example.Custom", 0x03, b"", 0)
+
+    with pytest.raises(FlinkMetadataError, match="org.example.Custom uses custom or external"):
+        read_java_object(_Reader(stream, "/x/_metadata"))

@@ -201,3 +201,18 @@ def test_null_and_float_keys_are_refused(column, match):
     """Null keys and keys without a stable identity are refused, naming the column."""
     with pytest.raises((ValueError, TypeError), match=match):
         hash_keys(pa.table({"k": column}), ("k",))
+
+
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 127), st.integers(0, 2**64 - 1)), max_size=200))
+def test_group_hash_order_sorts_rows_by_key_group_then_key_hash(rows):
+    """A full snapshot's row order (``group_hash_order``, with the key groups)."""
+    from pipelines.keyed._key_groups import group_hash_order
+
+    groups = np.array([g for g, _ in rows], np.int64)
+    hashes = np.array([h for _, h in rows], np.uint64)
+
+    order = group_hash_order(groups, hashes)
+
+    assert sorted(order.tolist()) == list(range(len(rows)))
+    assert [(int(groups[i]), int(hashes[i])) for i in order] == sorted(rows)

@@ -27,7 +27,7 @@ SIBLING = """
 import datetime as dt, json, sys
 from pathlib import Path
 import pyarrow as pa
-from pipelines.keyed import _store
+from pipelines.keyed import _store, _store_verification
 from pipelines.keyed._key_groups import KeyGroupRange
 from pipelines.keyed._layout import KeyedStateLayout
 
@@ -49,7 +49,9 @@ hashed = []
 real = _store._file_checksum
 _store._file_checksum = lambda path: hashed.append(path.name.split("-")[0]) or real(path)
 if action == "another-executor":  # another parent, or the same after a reboot
-    _store._executor_identity = lambda: "another-boot-id/4242/17"
+    # both: the store records it in the manifests it writes, the check compares with it
+    _store._executor_identity = _store_verification._executor_identity = (
+        lambda: "another-boot-id/4242/17")
 try:
     store = _store.ArrowKeyedStateStore(directory, layout, every,
                                         verify=action != "unverified")

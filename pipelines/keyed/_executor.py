@@ -122,10 +122,8 @@ def _run_partition(task: KeyedStageTask,
     batches = [b for b in batches if b.num_rows]
     if not batches:
         return  # no routing task ran: the input had no partitions
-    table = pa.Table.from_batches(batches)
-    del batches  # the filtered copies below replace the input rows: never held twice
-    summary = pc.equal(table.column(OPERATOR_INDEX), _SUMMARY_INDEX)
-    summaries, table = table.filter(summary), table.filter(pc.invert(summary))
+    summaries, table = _split_summaries(batches)
+    del batches
     newest = pc.max(summaries.column(_NEWEST)).as_py()
     partition, attempt = _context()
     stage = task.stage
@@ -145,7 +143,8 @@ def _run_partition(task: KeyedStageTask,
                 late_table = table.filter(pc.invert(on_time)).drop_columns(
                     [OPERATOR_INDEX, _ROUTE, _ROWS, _NEWEST])
                 yield from _payload_batches(_LATE, partition, attempt, late_table)
-            table = table.filter(on_time)
+            if late_rows:  # else the rows as they are: a filter keeping all is a copy
+                table = table.filter(on_time)
         if (stage.ttl is not None
                 and stage.ttl.time_characteristic is TtlTimeCharacteristic.EVENT_TIME
                 and clock is not None):
@@ -180,6 +179,23 @@ def _run_partition(task: KeyedStageTask,
         release_arrow_memory()
 
 
+def _split_summaries(batches: list[pa.RecordBatch]) -> tuple[pa.Table, pa.Table]:
+    """The routing tasks' summary rows and the range's rows of ``batches``. The summaries are
+    a few rows (one per routing task), so only the batches holding one are filtered: the
+    rest of the input stays as Spark's worker read it. A filter of the whole input copied it
+    (then held beside it: the workers' peak in a range's first batch, 2M keys at 4M)."""
+    summaries, rows = [], []
+    for batch in batches:
+        is_summary = pc.equal(batch.column(OPERATOR_INDEX), _SUMMARY_INDEX)
+        if not pc.any(is_summary).as_py():
+            rows.append(batch)
+            continue
+        summaries.append(batch.filter(is_summary))
+        rows.append(batch.filter(pc.invert(is_summary)))
+    schema = batches[0].schema
+    return pa.Table.from_batches(summaries, schema), pa.Table.from_batches(rows, schema)
+
+
 _SLICE_ROWS = 1 << 17  # a range's input rows the stage runs on at once (``_key_slices``)
 
 
@@ -206,6 +222,12 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
     if task.local_max_age is not None:
         sweep_idle_stores(_local_root(task.local_dir), task.local_max_age, keep=directory)
     hidden = [c for c in (WRITTEN_AT, TIMERS) if c in layout.stored_schema.names]
+    # A large input (a range's first batch) hands back what each of its steps freed: glibc
+    # and Arrow's allocator keep freed memory for reuse, so each step stood on what the ones
+    # before it had freed: the input (Spark's worker reads it as Python bytes, in the C
+    # heap), each slice's work, the change file's encoding; 2M keys a range: +400 MiB a
+    # worker at the store's merge. A release takes milliseconds; a steady batch skips them.
+    sliced = input_rows > _SLICE_ROWS
     with _locked_store(task, key_groups, directory, stats) as store:
         outputs, parts = [], []
         # the slices hold the input's last reference: it goes with the last one, before the
@@ -218,6 +240,10 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
             outputs.append(result.output)
             parts.append(fold(stage, layout, stored, result, task.now))
             del part, stored, result
+            if sliced:
+                release_arrow_memory()
+        if sliced:  # the slices are done: the input is gone
+            release_arrow_memory()
         if len(parts) == 1:
             changes = parts[0]
         elif parts:  # slices of a large input: their keys are apart, their changes too
@@ -260,6 +286,8 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
                                                              task.reference)
         change = write_change_file(factory, layout, key_groups, upserts, deletes,
                                    _file_prefix(task, key_groups, "b", attempt))
+        if sliced:  # the change file's sorted copy and encoding, before the store's merge
+            release_arrow_memory()
         store.apply(upserts, deletes,
                     version=chain_version(key_groups, [chain.appended(change)]))
         stats["state_rows"] = store.num_rows

@@ -509,22 +509,35 @@ class ArrowKeyedStateStore(KeyedStateStore):
         ``replaced`` rows (those of the changes' keys), with the changes' upserts at their
         places in (key group, hash) order; and the key group offsets."""
         hashes = _numpy(changes.column(_HASH)) if changes.num_rows else np.zeros(0, np.uint64)
-        kept = np.ones(self._segment.num_rows, bool)
-        kept[replaced] = False
         added = ~_numpy(changes.column(_DELETED)) if changes.num_rows else np.zeros(0, bool)
         added_hashes = hashes[added]
+        del hashes
+        # each temporary goes once used: a first batch's merge (every row added) held them
+        # all through its take, 65 bytes a row beside the rows' copy
         added_groups = (added_hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
         order = group_hash_order(added_groups, added_hashes)
         # where each added row goes among the kept segment rows (all in (group, hash) order):
         # its place in the segment less the replaced rows before it (no pass over the segment)
         bounds = self._segment_bounds(added_hashes[order], "left")
+        del added_hashes
+        removed = np.bincount(self._groups_of(self._hashes[replaced]),
+                              minlength=len(self.key_groups))
+        inserted = np.bincount(added_groups - self.key_groups.start,
+                               minlength=len(self.key_groups))
+        del added_groups
+        offsets = self._offsets + np.concatenate([[0], np.cumsum(inserted - removed)])
         slots = bounds - np.searchsorted(np.sort(replaced), bounds) + np.arange(len(order))
+        del bounds
+        kept = np.ones(self._segment.num_rows, bool)
+        kept[replaced] = False
         total = int(kept.sum()) + len(order)
         is_added = np.zeros(total, bool)
         is_added[slots] = True
         index = np.empty(total, np.int64)
         index[~is_added] = np.flatnonzero(kept)
+        del kept, is_added
         index[slots] = self._segment.num_rows + np.flatnonzero(added)[order]
+        del slots, order, added
         table = concat_as(self._segment_schema,
                           [self._segment, changes.select(self._segment_schema.names)])
         # a take across chunks is 3x slower than of one: each column is made one first,
@@ -533,11 +546,6 @@ class ArrowKeyedStateStore(KeyedStateStore):
         index = pa.array(index)
         table = pa.Table.from_arrays([c.combine_chunks().take(index) for c in table.columns],
                                      schema=table.schema)
-        removed = np.bincount(self._groups_of(self._hashes[replaced]),
-                              minlength=len(self.key_groups))
-        inserted = np.bincount(added_groups - self.key_groups.start,
-                               minlength=len(self.key_groups))
-        offsets = self._offsets + np.concatenate([[0], np.cumsum(inserted - removed)])
         return table, offsets
 
     def _groups_of(self, hashes: np.ndarray) -> np.ndarray:
@@ -599,7 +607,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 self._runs.append(_Run("", change, hashes, ~upserted))
                 merged = self._as_full_snapshot()
             else:  # the lookup above found the segment rows the change replaces
-                merged = self._merged(change, row[source == _IN_SEGMENT])
+                replaced = row[source == _IN_SEGMENT]
+                del source, row, hashes, was_live, upserted  # not held through the merge
+                merged = self._merged(change, replaced)
             self._write_segment(*merged, version)
             return
         order = np.argsort(hashes, kind="stable")

@@ -224,6 +224,13 @@ between identical 1M-key runs (docs/benchmarks.md, "state_growth: where the memo
 The heap's maximum (``spark.driver.memory``) is unchanged."""
 
 
+SERIALIZER_RESETS = {"spark.serializer.objectStreamReset": "1"}
+"""The session setting under which a Java serialization stream keeps no object it wrote
+(``resources.spark.DEFAULT_SPARK_CONF``'s, checked there by tests/test_benchmark_measures.py):
+what our keyed batches persist on disk goes through one. Given to both systems: it changes
+nothing a Structured Streaming query keeps."""
+
+
 LOCAL_SESSION_CONF = {"spark.python.daemon.module": "resources._daemon"}
 """What a session of ``resources.build_spark_session`` adds on a local master
 (``resources.spark.LOCAL_SPARK_CONF``, checked equal by tests/test_benchmark_measures.py;

@@ -81,6 +81,7 @@ sys.path.insert(0, str(HERE.parent))
 from _common import (  # noqa: E402
     G1_RETURNS_IDLE_HEAP,
     LOCAL_SESSION_CONF,
+    SERIALIZER_RESETS,
     PeakMemory,
     PhasePeak,
     rocksdb_session,
@@ -292,7 +293,8 @@ def _spark(app: str, ss_min_deltas: int):
     # peak RSS measures what each system needs, not how much heap G1 left committed
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
                            maintenance_interval=SS_MAINTENANCE_INTERVAL,
-                           driver_java_options=G1_RETURNS_IDLE_HEAP, conf=LOCAL_SESSION_CONF)
+                           driver_java_options=G1_RETURNS_IDLE_HEAP,
+                           conf=LOCAL_SESSION_CONF | SERIALIZER_RESETS)
 
 
 def _ss_query(spark, feed: Path, checkpoint: Path):

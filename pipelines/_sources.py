@@ -161,6 +161,10 @@ class FileSource(Source):
 
 
 _URL = "url"  # the column of the files to read, beside the one-row range's id
+# Rows per Arrow batch a read hands to the JVM: a Parquet row group (up to 1M rows) in one
+# batch held ~60 MB of the JVM's direct memory per batch in flight, 236 MB of it at a first
+# batch of 4M keys (docs/benchmarks.md, "state_growth: the batch's pass on disk").
+READ_BATCH_ROWS = 1 << 16
 
 
 def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -172,7 +176,8 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
             fs, path = source._location.filesystem(url)
             with fs.open(path, "rb") as f:
                 table = _read_table(f, source, url)
-            yield from table.select(target.names).cast(target).to_batches()
+            yield from table.select(target.names).cast(target).to_batches(
+                max_chunksize=READ_BATCH_ROWS)
 
 
 def _read_table(f, source: FileSource, url: str) -> pa.Table:

@@ -32,6 +32,12 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     # memory goes"). A ``conf`` with its own extraJavaOptions replaces these.
     "spark.driver.extraJavaOptions": "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 "
                                      "-XX:MaxHeapFreeRatio=30",
+    # Java serialization streams forget each object once written (Spark's default: after
+    # 100): a keyed batch's pass, persisted on disk one output payload (up to 65,536 rows)
+    # at a time, went through such a stream, which kept every payload it wrote reachable
+    # until its 100th: ~190 MB of the JVM's heap at a first batch of 4M keys
+    # (docs/benchmarks.md, "state_growth: the batch's pass on disk").
+    "spark.serializer.objectStreamReset": "1",
 }
 """Settings this project's pipelines rely on; a ``SparkResource``'s ``conf`` overrides them."""
 

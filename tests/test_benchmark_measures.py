@@ -259,3 +259,12 @@ def test_the_benchmark_sessions_run_the_python_daemon_our_local_sessions_run():
     from resources.spark import LOCAL_SPARK_CONF
 
     assert LOCAL_SESSION_CONF == LOCAL_SPARK_CONF
+
+
+def test_the_benchmark_sessions_reset_serialization_streams_as_ours_do():
+    """Both systems' state_growth sessions get the product sessions' serializer resets."""
+    from _common import SERIALIZER_RESETS
+
+    from resources.spark import DEFAULT_SPARK_CONF
+
+    assert SERIALIZER_RESETS.items() <= DEFAULT_SPARK_CONF.items()

@@ -17,7 +17,7 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from pipelines._handles import StateHandleRef
-from pipelines._map_in_arrow import map_in_arrow, repartition_by, with_literal
+from pipelines._map_in_arrow import _cached, map_in_arrow, repartition_by, with_literal
 from pipelines.keyed._chain import (
     KeyedStateChain,
 )
@@ -157,6 +157,17 @@ def _kind_in(*kinds: str, negated: bool = False) -> str:
 
 
 _ADAPTIVE = "spark.sql.adaptive.enabled"
+_CACHED_BATCH_ROWS = "spark.sql.inMemoryColumnarStorage.batchSize"
+# What a keyed batch's pass is planned and run with (``_one_job_per_pass``).
+_PASS_SETTINGS = {
+    _ADAPTIVE: "false",
+    # The persisted pass is built in batches of this many result rows: one output payload (an
+    # Arrow stream of up to 65,536 rows) at a time. Spark's 10,000 built a range's every
+    # payload into one column buffer, grown by doubling and copied once more when built:
+    # ~3x the range's output in the JVM's heap at once, 0.4-0.9 GB at a first batch of 4M
+    # keys (docs/benchmarks.md, "state_growth: the batch's pass on disk").
+    _CACHED_BATCH_ROWS: "1",
+}
 
 
 @contextlib.contextmanager
@@ -165,14 +176,38 @@ def _one_job_per_pass(spark: SparkSession) -> Iterator[None]:
     three Spark jobs (the routing shuffle's map stage, the persisted ranges, the collect),
     each a scheduling round trip that a small batch pays in full; without it, one job of
     two stages. Adaptive execution has nothing to adapt here: ``repartition(n, column)``
-    is never coalesced, and the ranges' tasks have no join or aggregate. The setting is
-    the session's, restored at once; the runner plans one batch at a time."""
-    previous = spark.conf.get(_ADAPTIVE)
-    spark.conf.set(_ADAPTIVE, "false")
+    is never coalesced, and the ranges' tasks have no join or aggregate. Also the persisted
+    pass's batch size (``_PASS_SETTINGS``). The settings are the session's, restored at
+    once; the runner plans one batch at a time."""
+    previous = {key: spark.conf.get(key) for key in _PASS_SETTINGS}
+    for key, value in _PASS_SETTINGS.items():
+        spark.conf.set(key, value)
     try:
         yield
     finally:
-        spark.conf.set(_ADAPTIVE, previous)
+        for key, value in previous.items():
+            spark.conf.set(key, value)
+
+
+def _persist_on_disk(frame: DataFrame) -> DataFrame:
+    """``frame.persist(StorageLevel.DISK_ONLY)`` in one py4j round trip (the level's JVM
+    object is made once per context). A batch's pass holds every output row of the batch, as
+    Arrow streams of up to 65,536 rows each: in the JVM's heap (``cache()``), a first batch
+    of 8M keys kept ~0.5 GB of them there, in G1's humongous regions, until the runner
+    released the batch, and G1 kept the heap it grew for them into the next batches
+    (docs/benchmarks.md, "state_growth: the batch's pass on disk"). On disk, the block
+    manager streams each partition to a local file and reads it back for each consumer."""
+    jdf = getattr(frame, "_jdf", None)
+    if jdf is None:  # Spark Connect: its own persist
+        from pyspark import StorageLevel
+
+        return frame.persist(StorageLevel.DISK_ONLY)
+    level = _cached(frame, ("StorageLevel.DISK_ONLY",), lambda: getattr(
+        frame.sparkSession.sparkContext._jvm, "org.apache.spark.storage.StorageLevel"
+    ).DISK_ONLY())
+    jdf.persist(level)
+    frame.is_cached = True
+    return frame
 
 
 def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
@@ -234,9 +269,9 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
             # the persisted plan is made here, so the later reads of the output use it too
             ranges = with_literal(repartition_by(routed, task.parallelism, _ROUTE),
                                   BATCH_TOKEN, token)
-            cached = map_in_arrow(ranges, partial(_run_batch_range, task.stage.name),
-                                  _RESULT_TYPE, ("keyed ranges", task.stage.name),
-                                  [*routed_type.names, BATCH_TOKEN]).cache()
+            cached = _persist_on_disk(map_in_arrow(
+                ranges, partial(_run_batch_range, task.stage.name), _RESULT_TYPE,
+                ("keyed ranges", task.stage.name), [*routed_type.names, BATCH_TOKEN]))
             try:
                 # the handle and summary rows carry no payload: nothing to drop
                 handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()

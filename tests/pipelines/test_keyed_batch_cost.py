@@ -286,6 +286,36 @@ def test_a_steady_batch_compiles_no_new_code(spark, tmp_path):
     assert _compilations(spark) == before
 
 
+@pytest.mark.timeout(300)
+def test_a_file_source_batch_is_read_and_routed_in_one_python_worker(spark, tmp_path):
+    """A keyed batch over a file source's read routes its rows in the read's Python worker:
+    one ``mapInArrow`` before the shuffle, where the read and the routing were two (two
+    Python workers of one task, the rows handed from one to the other through the JVM). The
+    ranges get the same rows: the counts go on from batch to batch."""
+    import pyarrow.parquet as pq
+
+    from pipelines import FileSource
+
+    day = tmp_path / "landing" / "d1"
+    day.mkdir(parents=True)
+    for batch, users in enumerate(BATCHES):
+        pq.write_table(pa.table({"user": users}), day / f"batch-{batch}.parquet")
+    source = FileSource(url=f"{tmp_path}/landing/{{partition}}", schema="user string")
+    job = Job(tmp_path, 2)
+    outputs, plans = [], []
+    for batch in range(2):
+        result = apply_keyed_batch(source.read(spark, "d1", f"batch-{batch}.parquet"),
+                                   job.task(batch))
+        outputs.append(_output(result))
+        plans.append(result.cached._jdf.queryExecution().executedPlan().toString())
+        job.chains = extend_chains(job.chains, result.ranges)
+        result.release()
+    assert [{"ann": 2, "bob": 1, "cid": 1},
+            {"bob": 2, "eve": 1, "ann": 3, "fay": 1, "gus": 2}] == outputs
+    for plan in plans:  # the ranges' mapInArrow, and the read's with the routing in it
+        assert plan.count("MapInArrow") == 2, plan
+
+
 def _shared_files(tmp_path) -> list[str]:
     return sorted(str(p) for p in (tmp_path / "checkpoints").rglob("*") if p.is_file())
 

@@ -7,18 +7,24 @@ time slice on a loaded machine), for every batch. A function that does not chang
 batches (what varies travels in the rows or, for a keyed stage's task, in a local property)
 is wrapped once, and applied to its input's columns by name once per set of names: the batch
 then costs one round trip.
+
+A frame made here remembers how (``arrow_mapped``), so that a consumer can run its own function
+in the same Python worker, after this one (``chained``), in place of a second ``mapInArrow``
+over it: a keyed batch's routing does so over a file source's read.
 """
 
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 from pyspark import SparkContext
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-__all__ = ["map_in_arrow", "repartition_by", "with_literal"]
+__all__ = ["ArrowMapped", "arrow_mapped", "chained", "jvm_object", "map_in_arrow",
+           "repartition_by", "with_literal"]
 
 _MAX_CACHED = 64  # per Spark context: a run's stages and sources, with room to spare
 _COLUMNS: "weakref.WeakKeyDictionary[SparkContext, OrderedDict]" = weakref.WeakKeyDictionary()
@@ -59,6 +65,35 @@ def _udf_column(frame: DataFrame, key: Hashable, function: ArrowMap, schema: T.S
     return applied[columns]
 
 
+@dataclass(frozen=True)
+class ArrowMapped:
+    """How ``map_in_arrow`` made a frame: ``function`` (standing for ``key``) over ``frame``'s
+    ``columns``."""
+
+    frame: DataFrame
+    function: ArrowMap
+    key: Hashable
+    columns: tuple[str, ...]
+
+
+_MAPPED = "_pipelines_arrow_mapped"  # the attribute of a frame made by map_in_arrow
+
+
+def arrow_mapped(frame: DataFrame) -> ArrowMapped | None:
+    """How ``map_in_arrow`` made ``frame`` (None: it did not; a frame derived from one, e.g.
+    filtered or cached, is another frame)."""
+    return getattr(frame, "__dict__", {}).get(_MAPPED)
+
+
+def chained(first: ArrowMap, schema: pa.Schema, then: ArrowMap,
+            batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` body: ``then`` over ``first``'s batches, in one Python worker. Each of
+    ``first``'s batches is cast to ``schema`` (the Arrow schema Spark would have handed to
+    ``then``, e.g. its session's time zone) unless it has it already."""
+    return then(batch if batch.schema == schema else batch.cast(schema)
+                for batch in first(batches))
+
+
 def map_in_arrow(frame: DataFrame, function: ArrowMap, schema: T.StructType,
                  key: Hashable, columns: list[str] | None = None) -> DataFrame:
     """``frame.mapInArrow(function, schema)``, the UDF made once per Spark context and ``key``:
@@ -71,10 +106,12 @@ def map_in_arrow(frame: DataFrame, function: ArrowMap, schema: T.StructType,
         return frame.mapInArrow(function, schema)
     names = tuple(frame.columns if columns is None else columns)
     column = _udf_column(frame, key, function, schema, names)
-    return DataFrame(jdf.mapInArrow(column, False, None), frame.sparkSession)
+    mapped = DataFrame(jdf.mapInArrow(column, False, None), frame.sparkSession)
+    mapped.__dict__[_MAPPED] = ArrowMapped(frame, function, key, names)
+    return mapped
 
 
-def _cached(frame: DataFrame, key: Hashable, make: Callable[[], object]):
+def jvm_object(frame: DataFrame, key: Hashable, make: Callable[[], object]):
     """A JVM object of ``frame``'s Spark context, made by ``make`` on first use of ``key``."""
     cached = _COLUMNS.setdefault(frame.sparkSession.sparkContext, OrderedDict())
     if key not in cached:
@@ -91,7 +128,7 @@ def with_literal(frame: DataFrame, name: str, value: int | str) -> DataFrame:
         from pyspark.sql import functions as F
 
         return frame.withColumn(name, F.lit(value))
-    lit = _cached(frame, ("functions.lit",), lambda: getattr(
+    lit = jvm_object(frame, ("functions.lit",), lambda: getattr(
         frame.sparkSession.sparkContext._jvm, "org.apache.spark.sql.functions").lit)
     return DataFrame(jdf.withColumn(name, lit(value)), frame.sparkSession)
 
@@ -109,7 +146,7 @@ def repartition_by(frame: DataFrame, partitions: int, column: str) -> DataFrame:
 
         return _to_seq(frame.sparkSession.sparkContext, [F.col(column)], _to_java_column)
 
-    seq = _cached(frame, ("repartition", column), columns)
+    seq = jvm_object(frame, ("repartition", column), columns)
     return DataFrame(jdf.repartition(partitions, seq), frame.sparkSession)
 
 

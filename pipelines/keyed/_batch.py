@@ -17,7 +17,14 @@ from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from pipelines._handles import StateHandleRef
-from pipelines._map_in_arrow import _cached, map_in_arrow, repartition_by, with_literal
+from pipelines._map_in_arrow import (
+    arrow_mapped,
+    chained,
+    jvm_object,
+    map_in_arrow,
+    repartition_by,
+    with_literal,
+)
 from pipelines.keyed._chain import (
     KeyedStateChain,
 )
@@ -202,7 +209,7 @@ def _persist_on_disk(frame: DataFrame) -> DataFrame:
         from pyspark import StorageLevel
 
         return frame.persist(StorageLevel.DISK_ONLY)
-    level = _cached(frame, ("StorageLevel.DISK_ONLY",), lambda: getattr(
+    level = jvm_object(frame, ("StorageLevel.DISK_ONLY",), lambda: getattr(
         frame.sparkSession.sparkContext._jvm, "org.apache.spark.storage.StorageLevel"
     ).DISK_ONLY())
     jdf.persist(level)
@@ -255,10 +262,18 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     # the batch's task in a local property of its job, checked by its token
     # (``_task_property``). The stage's identity keys them: its function is in them.
     routing = Routing.of(task)
-    routed = map_in_arrow(input, partial(_operator_indices, routing, routes, input_schema),
-                          routed_type, ("keyed routing", id(task.stage), routing.max_parallelism,
-                                        routing.parallelism, input_schema, routed_type.json()),
-                          columns)
+    route = partial(_operator_indices, routing, routes, input_schema)
+    key = ("keyed routing", id(task.stage), routing.max_parallelism, routing.parallelism,
+           input_schema, routed_type.json())
+    source = arrow_mapped(input)
+    if source is None:
+        routed = map_in_arrow(input, route, routed_type, key, columns)
+    else:
+        # The input is a mapInArrow (a file source's read): the routing runs after it in its
+        # Python worker, where it ran in a second one, its rows handed over through the JVM.
+        routed = map_in_arrow(source.frame, partial(chained, source.function, input_schema,
+                                                    route),
+                              routed_type, (key, source.key), list(source.columns))
     context = spark.sparkContext
     token = new_token()
     set_task(context, task, token)

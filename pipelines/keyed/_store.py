@@ -179,6 +179,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._hashes = np.zeros(0, np.uint64)
         self._offsets = np.zeros(len(key_groups) + 1, np.int64)
         self._runs: list[_Run] = []
+        # the last ``get``'s keys and where it found them, until the next write (``_recalled``)
+        self._looked_up: tuple[pa.Table, np.ndarray, np.ndarray, np.ndarray] | None = None
         manifest = self.directory / _MANIFEST
         if manifest.exists():
             self._load(manifest)
@@ -457,6 +459,38 @@ class ArrowKeyedStateStore(KeyedStateStore):
             source[pending[query]], row[pending[query]] = _IN_SEGMENT, rows
         return source, row
 
+    def _recalled(self, keys: pa.Table, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_resolve``, for the keys the last ``get`` looked up from what it found (nothing
+        was written since): a batch's changes are of the keys it read, so ``apply`` then
+        searches the runs and the segment once per batch, not twice. A key is recalled only
+        if exactly one looked-up key has its hash and that key is equal; the others are
+        resolved."""
+        source = np.full(len(hashes), _ABSENT, np.int64)
+        row = np.zeros(len(hashes), np.int64)
+        recalled = np.zeros(0, np.int64)
+        if self._looked_up is not None and len(hashes):
+            known, known_hashes, known_source, known_row = self._looked_up
+            order = np.argsort(known_hashes, kind="stable")
+            ordered = known_hashes[order]
+            left = np.searchsorted(ordered, hashes, side="left")
+            once = np.flatnonzero(np.searchsorted(ordered, hashes, side="right") - left == 1)
+            at = order[left[once]]
+            same = None
+            for name in self.layout.key:
+                equal = pc.equal(known.column(name).take(pa.array(at)),
+                                 keys.column(name).take(pa.array(once)))
+                same = equal if same is None else pc.and_(same, equal)
+            if same is not None and len(once):
+                same = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
+                recalled, at = once[same], at[same]
+                source[recalled], row[recalled] = known_source[at], known_row[at]
+        if len(recalled) == len(hashes):
+            return source, row
+        rest = np.setdiff1d(np.arange(len(hashes)), recalled, assume_unique=True)
+        asked = keys if len(rest) == len(hashes) else keys.take(pa.array(rest))
+        source[rest], row[rest] = self._resolve(asked, hashes[rest])
+        return source, row
+
     def _live(self, source: np.ndarray, row: np.ndarray) -> np.ndarray:
         live = source == _IN_SEGMENT
         for index in np.unique(source[source >= 0]).tolist():
@@ -467,7 +501,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def get(self, keys: pa.Table, *, cutoff=None) -> pa.Table:
         keys = self.layout.conform_keys(keys, f"local store {self.directory}: keys")
         keys = keys.group_by(list(self.layout.key)).aggregate([])  # each key once
-        source, row = self._resolve(keys, hash_keys(keys, self.layout.key))
+        hashes = hash_keys(keys, self.layout.key)
+        source, row = self._resolve(keys, hashes)
+        self._looked_up = (keys, hashes, source, row)
         live = self._live(source, row)
         parts = [self._segment.take(pa.array(row[live & (source == _IN_SEGMENT)]))]
         for index in np.unique(source[live & (source >= 0)]).tolist():
@@ -579,6 +615,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         return table.append_column(_HASH, pa.array(hashes, pa.uint64()))
 
     def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
+        looked_up, self._looked_up = self._looked_up, None  # what it found changes now
         upserts = self.layout.conform(upserts, f"local store {self.directory}: upserts")
         deletes = self.layout.conform_keys(deletes, f"local store {self.directory}: deletes")
         if not upserts.num_rows and not deletes.num_rows:
@@ -597,7 +634,11 @@ class ArrowKeyedStateStore(KeyedStateStore):
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
         hashes = _numpy(change.column(_HASH))
-        source, row = self._resolve(change, hashes)
+        self._looked_up = looked_up
+        try:
+            source, row = self._recalled(change, hashes)
+        finally:
+            self._looked_up = None
         was_live = self._live(source, row)
         upserted = ~_numpy(change.column(_DELETED))
         self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())
@@ -641,6 +682,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
              key_hashes: np.ndarray | None = None) -> None:
         """``load``; ``key_hashes``: the rows' key hashes (``hash_keys``) when the caller has
         them already (a rebuild hashed every row to order them): not computed again."""
+        self._looked_up = None
         rows = self.layout.conform(rows, f"local store {self.directory}: rows")
         rows = self._with_hashes(rows, "rows", key_hashes).select(self._segment_schema.names)
         hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
@@ -688,6 +730,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 entry.unlink(missing_ok=True)
 
     def drop_expired(self, cutoff, *, version: str | None = None) -> pa.Table:
+        self._looked_up = None
         if self.layout.ttl is None:
             return self.layout.key_schema.empty_table()
         table, offsets = self._as_full_snapshot()
@@ -748,6 +791,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._segment = self._segment_schema.empty_table()  # releases the memory map
         self._hashes = np.zeros(0, np.uint64)
         self._runs = []
+        self._looked_up = None
         self._signatures = {}  # a closed store is never ``unchanged``
 
     def destroy(self) -> None:

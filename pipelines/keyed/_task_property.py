@@ -34,11 +34,15 @@ def task_property(stage: str) -> str:
     return _PREFIX + stage
 
 
-def new_token() -> int:
-    return secrets.randbits(62)
+def new_token() -> str:
+    """A batch's token. Text, not a number: Spark's generated code holds a numeric literal in
+    its source, so a new number each batch compiled new classes (Janino, then the JIT) at
+    every batch, where a string literal is a reference of the generated code, and the code
+    of one batch is reused by the next (``tests/pipelines/test_keyed_batch_cost.py``)."""
+    return secrets.token_hex(8)
 
 
-def set_task(context: SparkContext, task: KeyedStageTask, token: int) -> None:
+def set_task(context: SparkContext, task: KeyedStageTask, token: str) -> None:
     """Make ``task`` (with ``token``) the batch of its stage for the jobs of this thread."""
     encoded = base64.b64encode(cloudpickle.dumps(task)).decode("ascii")
     context.setLocalProperty(task_property(task.stage.name), f"{token}:{encoded}")
@@ -50,7 +54,7 @@ def clear_task(context: SparkContext, stage: str) -> None:
     context.setLocalProperty(task_property(stage), None)
 
 
-def _task_of_job(stage: str) -> tuple[int, KeyedStageTask]:
+def _task_of_job(stage: str) -> tuple[str, KeyedStageTask]:
     context = TaskContext.get()
     value = None if context is None else context.getLocalProperty(task_property(stage))
     if not value:
@@ -60,7 +64,7 @@ def _task_of_job(stage: str) -> tuple[int, KeyedStageTask]:
             "was released, or in another thread than the one that applied it; read a batch's "
             "output before KeyedBatch.release(), in the thread that applied it")
     token, _, encoded = value.partition(":")
-    return int(token), cloudpickle.loads(base64.b64decode(encoded))
+    return token, cloudpickle.loads(base64.b64decode(encoded))
 
 
 def _run_batch_range(stage: str, batches: Iterator[pa.RecordBatch]

@@ -261,6 +261,61 @@ def test_the_batch_udfs_made_once_run_each_batch_on_its_own_task(spark, tmp_path
             {"bob": 2, "eve": 1, "ann": 3, "fay": 1, "gus": 2}] == outputs
 
 
+def _compilations(spark) -> int:
+    """The whole-stage code Spark compiled (Janino) in this session's JVM so far."""
+    metrics = getattr(spark.sparkContext._jvm, "org.apache.spark.metrics.source.CodegenMetrics")
+    return metrics.METRIC_COMPILATION_TIME().getCount()
+
+
+@pytest.mark.timeout(300)
+def test_a_steady_batch_compiles_no_new_code(spark, tmp_path):
+    """A batch's plan differs from the last one's only in values that Spark's generated code
+    takes by reference (the batch token is text): the code compiled for one batch serves the
+    next. A numeric token was written into the generated source, so every batch compiled
+    new classes, and the JIT compiled them again (0.3 s of CPU a batch at 1M keys)."""
+    job = Job(tmp_path, 2)
+    for batch in range(2):  # the first batches compile the plan's code once
+        frame = spark.createDataFrame([(u,) for u in BATCHES[batch]], "user string")
+        result = apply_keyed_batch(frame, job.task(batch))
+        job.chains = extend_chains(job.chains, result.ranges)
+        result.release()
+    before = _compilations(spark)
+    frame = spark.createDataFrame([(u,) for u in BATCHES[1]], "user string")
+    result = apply_keyed_batch(frame, job.task(2))
+    result.release()
+    assert _compilations(spark) == before
+
+
+@pytest.mark.timeout(300)
+def test_a_file_source_batch_is_read_and_routed_in_one_python_worker(spark, tmp_path):
+    """A keyed batch over a file source's read routes its rows in the read's Python worker:
+    one ``mapInArrow`` before the shuffle, where the read and the routing were two (two
+    Python workers of one task, the rows handed from one to the other through the JVM). The
+    ranges get the same rows: the counts go on from batch to batch."""
+    import pyarrow.parquet as pq
+
+    from pipelines import FileSource
+
+    day = tmp_path / "landing" / "d1"
+    day.mkdir(parents=True)
+    for batch, users in enumerate(BATCHES):
+        pq.write_table(pa.table({"user": users}), day / f"batch-{batch}.parquet")
+    source = FileSource(url=f"{tmp_path}/landing/{{partition}}", schema="user string")
+    job = Job(tmp_path, 2)
+    outputs, plans = [], []
+    for batch in range(2):
+        result = apply_keyed_batch(source.read(spark, "d1", f"batch-{batch}.parquet"),
+                                   job.task(batch))
+        outputs.append(_output(result))
+        plans.append(result.cached._jdf.queryExecution().executedPlan().toString())
+        job.chains = extend_chains(job.chains, result.ranges)
+        result.release()
+    assert [{"ann": 2, "bob": 1, "cid": 1},
+            {"bob": 2, "eve": 1, "ann": 3, "fay": 1, "gus": 2}] == outputs
+    for plan in plans:  # the ranges' mapInArrow, and the read's with the routing in it
+        assert plan.count("MapInArrow") == 2, plan
+
+
 def _shared_files(tmp_path) -> list[str]:
     return sorted(str(p) for p in (tmp_path / "checkpoints").rglob("*") if p.is_file())
 

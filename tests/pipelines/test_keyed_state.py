@@ -538,3 +538,40 @@ def test_replay_task_streams_a_range(job, tmp_path):
     peak = _arrow_peak(consume)
     assert rows[0] == len(model)
     assert peak < whole.nbytes / 2, (peak, whole.nbytes)
+
+
+def test_apply_finds_the_keys_get_looked_up_without_searching_again(tmp_path):
+    """A batch reads its keys (``get``), then writes their changes (``apply``): ``apply``
+    takes where ``get`` found those keys (runs, segment, absent) and searches only for the
+    others (here new keys, and stored keys the batch did not read); the state is the one a
+    store reaches without the ``get``, and so is its row count."""
+    model = {f"u{i}": i % 50 for i in range(2000)}
+    earlier = [{f"u{i}": 1 for i in range(0, 2000, 7)}, {f"u{i}": 2 for i in range(0, 2000, 11)}]
+    stores = []
+    for name in ("read first", "written only"):
+        store = ArrowKeyedStateStore(tmp_path / name, LAYOUT, ALL, min_merge_rows=10**6)
+        store.load(clicks_table(model))
+        for change in earlier:  # runs in front of the segment
+            store.apply(clicks_table(change), NO_KEYS)
+        stores.append(store)
+    read_first, written_only = stores
+    model = model | earlier[0] | earlier[1]
+    read = [f"u{i}" for i in range(0, 2000, 3)] + ["new-read"]
+    upserts = {k: 9 for k in read[:300]} | {"new-read": 9, "new-unread": 9, "u1": 9}
+    gone = read[300:400] + ["u2", "u4", "not-there"]
+    searched = []
+    resolve = read_first._resolve
+
+    def counted(keys, hashes):
+        searched.append(len(hashes))
+        return resolve(keys, hashes)
+
+    read_first._resolve = counted
+    read_first.get(pa.table({"user": read}))
+    for store in stores:
+        store.apply(clicks_table(upserts), deletes(gone))
+    model = {k: v for k, v in (model | upserts).items() if k not in gone}
+
+    assert [len(read), 5] == searched  # apply: u1, u2, u4, new-unread, not-there
+    assert model == store_state(read_first) == store_state(written_only)
+    assert len(model) == read_first.num_rows == written_only.num_rows

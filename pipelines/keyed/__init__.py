@@ -121,7 +121,7 @@ _ELSEWHERE = {
     "TtlTimeCharacteristic": "pipelines.keyed._stage",
     "key_type_fits": "pipelines.keyed._stage",
     "forget_verified_files": "pipelines.keyed._store_verification",
-    "remove_store": "pipelines.keyed._store",
+    "remove_store": "pipelines.keyed._store_directory",
     "TTL_TIME": "pipelines.keyed._variables",
     "VARIABLES_METADATA": "pipelines.keyed._variables",
     "StateVariables": "pipelines.keyed._variables",

@@ -30,10 +30,7 @@ at every open: ``_store_verification`` (its docstring says how and what it saves
 import base64
 import json
 import os
-import re
-import shutil
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +42,16 @@ import pyarrow.ipc as ipc
 
 from pipelines.keyed._key_groups import KeyGroupRange, group_hash_order, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._store_base import KeyedStateStore
+from pipelines.keyed._store_directory import (
+    _FILE_NAME,
+    _MANIFEST,
+    _PREFIXES,
+    LocalStoreError,
+    only_store_files,
+    remove_store,
+    stored_version,
+)
 from pipelines.keyed._store_verification import (
     _VERIFIED,
     _body_checksum,
@@ -62,86 +69,10 @@ __all__ = ["ArrowKeyedStateStore", "KeyedStateStore", "LocalStoreError", "forget
 
 _HASH = "_hash"
 _DELETED = "_deleted"
-_MANIFEST = "MANIFEST.json"
 # v3: the manifest records each file's size and CRC-32 and its own checksum; a v2 store
 # cannot be verified, so it is rebuilt
 _STORE_FORMAT = "arrow-keyed-store-v3"
-_PREFIXES = ("segment-", "run-", f".{_MANIFEST}")
-_FILE_NAME = re.compile(r"(segment|run)-[0-9a-f]{32}\.arrow")
 _IN_SEGMENT, _ABSENT = -1, -2
-
-
-class LocalStoreError(ValueError):
-    """A local store directory that cannot be used: its caller rebuilds it from the chain."""
-
-
-class KeyedStateStore(ABC):
-    """The state of one key group range of one keyed stage, on local disk.
-
-    ``get`` returns the state rows of some keys; ``apply`` upserts and deletes rows and
-    records which change it was (``version``: the caller's name for the state it now holds,
-    e.g. the checkpoint chain position); ``sorted_batches`` iterates the whole state sorted by
-    key group then key hash (a full snapshot); ``drop_expired`` removes rows expired by the
-    stage's TTL. ``close`` keeps the directory for the next task; ``destroy`` removes it.
-    """
-
-    layout: KeyedStateLayout
-    key_groups: KeyGroupRange
-    directory: Path
-
-    @abstractmethod
-    def get(self, keys: pa.Table, *, cutoff=None) -> pa.Table:
-        """The stored rows (``layout.stored_schema``) of the keys in ``keys`` (key columns;
-        duplicates allowed) that have state, in no particular order. With a ``cutoff``, rows
-        that expired by it are left out (the stage never sees expired state)."""
-
-    @abstractmethod
-    def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
-        """Upsert full rows (one per key) and delete keys (key columns); upserts and deletes
-        have distinct keys. Every key must belong to this store's key groups."""
-
-    @abstractmethod
-    def load(self, rows: pa.Table, *, upserts: pa.Table | None = None,
-             deletes: pa.Table | None = None, version: str | None = None) -> None:
-        """Replace the whole state with ``rows`` (stored rows, one per key), then apply
-        ``upserts`` and ``deletes`` as ``apply`` does: a rebuild from the checkpoint chain
-        (its snapshot, and the last change per key since), in as few writes as it takes."""
-
-    @property
-    @abstractmethod
-    def version(self) -> str | None:
-        """The ``version`` of the last ``apply`` (None: never applied)."""
-
-    @property
-    @abstractmethod
-    def num_rows(self) -> int: ...
-
-    @abstractmethod
-    def sorted_batches(self, max_rows: int = 1 << 16) -> Iterator[pa.RecordBatch]:
-        """All rows, ``stored_schema`` plus ``_key_group`` (int16), sorted by key group."""
-
-    @abstractmethod
-    def drop_expired(self, cutoff, *, version: str | None = None) -> pa.Table:
-        """Delete the rows the stage's TTL expired by ``cutoff``; returns their keys (for the
-        change file, so that a replay drops them too)."""
-
-    @abstractmethod
-    def expired_rows(self, cutoff) -> int:
-        """How many of the ``num_rows`` rows the stage's TTL expired by ``cutoff`` (kept until
-        a full snapshot drops them); 0 without a TTL."""
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    @abstractmethod
-    def destroy(self) -> None:
-        """Close and delete the store's directory."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class ArrowKeyedStateStore(KeyedStateStore):
@@ -185,7 +116,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         if manifest.exists():
             self._load(manifest)
         else:
-            if _only_store_files(self.directory):
+            if only_store_files(self.directory):
                 raise LocalStoreError(f"local store {self.directory}: {manifest} is missing "
                                       "(the store's files are there); rebuild it from the "
                                       "checkpoint chain")
@@ -465,25 +396,28 @@ class ArrowKeyedStateStore(KeyedStateStore):
         searches the runs and the segment once per batch, not twice. A key is recalled only
         if exactly one looked-up key has its hash and that key is equal; the others are
         resolved."""
+        if self._looked_up is None or not len(hashes):
+            return self._resolve(keys, hashes)  # no index arrays beside the lookup's own
+        known, known_hashes, known_source, known_row = self._looked_up
+        order = np.argsort(known_hashes, kind="stable")
+        ordered = known_hashes[order]
+        left = np.searchsorted(ordered, hashes, side="left")
+        once = np.flatnonzero(np.searchsorted(ordered, hashes, side="right") - left == 1)
+        at = order[left[once]]
+        same = None
+        for name in self.layout.key:
+            equal = pc.equal(known.column(name).take(pa.array(at)),
+                             keys.column(name).take(pa.array(once)))
+            same = equal if same is None else pc.and_(same, equal)
+        if same is None or not len(once):
+            return self._resolve(keys, hashes)
+        same = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
+        recalled, at = once[same], at[same]
+        if not len(recalled):
+            return self._resolve(keys, hashes)
         source = np.full(len(hashes), _ABSENT, np.int64)
         row = np.zeros(len(hashes), np.int64)
-        recalled = np.zeros(0, np.int64)
-        if self._looked_up is not None and len(hashes):
-            known, known_hashes, known_source, known_row = self._looked_up
-            order = np.argsort(known_hashes, kind="stable")
-            ordered = known_hashes[order]
-            left = np.searchsorted(ordered, hashes, side="left")
-            once = np.flatnonzero(np.searchsorted(ordered, hashes, side="right") - left == 1)
-            at = order[left[once]]
-            same = None
-            for name in self.layout.key:
-                equal = pc.equal(known.column(name).take(pa.array(at)),
-                                 keys.column(name).take(pa.array(once)))
-                same = equal if same is None else pc.and_(same, equal)
-            if same is not None and len(once):
-                same = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
-                recalled, at = once[same], at[same]
-                source[recalled], row[recalled] = known_source[at], known_row[at]
+        source[recalled], row[recalled] = known_source[at], known_row[at]
         if len(recalled) == len(hashes):
             return source, row
         rest = np.setdiff1d(np.arange(len(hashes)), recalled, assume_unique=True)
@@ -812,40 +746,3 @@ class _Run:
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:
     return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
             ).to_numpy(zero_copy_only=False)
-
-
-def _only_store_files(directory: Path) -> bool:
-    """Whether ``directory`` holds store files (segments, runs, manifest temporaries) and
-    nothing else: a store whose manifest was lost."""
-    try:
-        names = [entry.name for entry in directory.iterdir()]
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    return bool(names) and all(_FILE_NAME.fullmatch(name)
-                               or name.startswith(f".{_MANIFEST}.") for name in names)
-
-
-def stored_version(directory: str | os.PathLike) -> str | None:
-    """The ``version`` a store directory's manifest records, without opening the store (None:
-    no store there, or an unreadable manifest)."""
-    try:
-        document = json.loads((Path(directory) / _MANIFEST).read_text())
-        version = document.get("body", {}).get("version")  # unverified: a hint, not state
-    except (OSError, ValueError, AttributeError):
-        return None
-    return version if isinstance(version, str) else None
-
-
-def remove_store(directory: str | os.PathLike) -> None:
-    """Delete a local store's directory, whatever state it holds. A directory that is not a
-    store (no manifest, not empty, and not only store files) is refused: a misconfigured path
-    must not lose files."""
-    directory = Path(directory)
-    if not directory.exists():
-        return
-    if (not (directory / _MANIFEST).exists() and any(directory.iterdir())
-            and not _only_store_files(directory)):
-        raise LocalStoreError(f"{directory} is not a local keyed-state store (no {_MANIFEST}) "
-                              "and is not empty; refusing to delete it: point the store "
-                              "directory elsewhere")
-    shutil.rmtree(directory)

@@ -10,7 +10,7 @@ import pipelines._restore as restore_module
 from checkpoint_storage import FileSystemCheckpointStorage, resolve_checkpoint_pointer
 from checkpoint_storage.spi import store_checkpoint_metadata
 from pipelines import StatefulRunner
-from pipelines.examples.click_events import generate_day
+from pipelines.examples.click_events import STAGES, generate_day
 from sensors import integrity_check_result
 from tests.pipelines.support import NoSpark, click_pipeline
 
@@ -123,3 +123,21 @@ def test_a_damaged_or_missing_state_file_fails_the_check(checked_run, damage):
     assert not result.passed
     assert victim.name in result.description
     assert ("missing" if damage == "missing" else "corrupt") in result.description
+
+
+def test_dataframe_stages_are_restored_and_counted_without_spark(spark, tmp_path):
+    """A pipeline of DataFrame stages (state snapshotted whole at every checkpoint): the
+    check restores its Parquet parts in the driver, with the rows as recorded."""
+    generate_day(str(tmp_path / "landing"), DAYS[0], **LANDING)
+    pipeline = click_pipeline(tmp_path, stages=STAGES)
+    storage = FileSystemCheckpointStorage(str(tmp_path / "checkpoints"),
+                                          str(tmp_path / "savepoints"),
+                                          file_state_size_threshold=0)
+    results = StatefulRunner(spark, storage, pipeline).run([DAYS[0]])
+    result = check(pipeline, storage, results)
+    assert result.passed, result.description
+    meta = {k: v.value for k, v in result.metadata.items()}
+    assert meta["verified"] == "the whole checkpoint (the state is snapshotted whole)"
+    assert recorded_rows(results[-1].checkpoint.pointer) == {
+        name[len("restored_rows_"):]: n for name, n in meta.items()
+        if name.startswith("restored_rows_")}

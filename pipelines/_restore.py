@@ -26,6 +26,7 @@ from pipelines._restore_checks import (
     damaged_state,
     evolved_keyed_stages,
 )
+from pipelines.state_reader import PipelineSnapshot, stored_row_count
 
 __all__ = ["SCHEDULED_SAVEPOINTS", "Restoring"]
 
@@ -34,6 +35,11 @@ logger = logging.getLogger("pipelines.runner")
 
 # The subdirectory of the savepoint directory that scheduled savepoints go to (sensors/).
 SCHEDULED_SAVEPOINTS = "scheduled"
+
+# A snapshot whose state handles hold at most this many bytes is verified whole by replaying
+# its chains in the driver (``Restoring.restored_row_counts``): one part at a time, each a
+# few times its bytes in memory; a larger one by the executors.
+DRIVER_REPLAY_BYTES = 32 * 2**20
 
 
 class Restoring:
@@ -55,6 +61,34 @@ class Restoring:
         return {stage.name: self._kinds[stage.name].restore_frame(
                     metadata, parallelism, include_expired=include_expired)
                 for stage in self.stages}
+
+    def restored_row_counts(self, metadata: CheckpointMetadata, pointer: str) -> dict[str, int]:
+        """Each stage's rows in the snapshot at ``pointer`` (``metadata``, its `_metadata`) as
+        a restore reads them, a keyed stage's expired rows not dropped yet included (what
+        the snapshot records as ``rows``): every file read whole and verified (size, CRC-32),
+        each keyed range's chain replayed. A state of at most ``DRIVER_REPLAY_BYTES`` is
+        replayed here, in the driver, by the state reader (what ``checkpoints read`` and the
+        ``checkpoint`` format run): in a fresh process a Spark restore of the click events'
+        440 KiB cost four jobs and their first planning (docs/benchmarks.md, "cold_run: the
+        check without Spark"). A larger one is restored by the executors (``restore_states``)."""
+        if metadata.state_size > DRIVER_REPLAY_BYTES:
+            states = self.restore_states(metadata, include_expired=True)
+            counts = {name: state.count() for name, state in states.items()}
+            for state in states.values():
+                state.unpersist()
+            return counts
+        snapshot = PipelineSnapshot(pointer, metadata, self.storage.storage_options)
+        held = set(snapshot.stages)
+        counts = {}
+        for stage in self.stages:
+            if stage.name not in held:
+                counts[stage.name] = 0  # as a restore of a stage added since: empty
+                continue
+            schema = snapshot.schema(stage.name)
+            counts[stage.name] = sum(
+                stored_row_count(part, schema, snapshot.storage_options)
+                for part in snapshot.parts(stage.name))
+        return counts
 
     def _restore(self, metadata: CheckpointMetadata, pointer: str | None = None) -> dict:
         """The stages' states from a snapshot: DataFrames read by the executors, and keyed

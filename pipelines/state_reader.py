@@ -79,6 +79,7 @@ __all__ = [
     "read_state_part",
     "read_variable_part",
     "state_stages",
+    "stored_row_count",
 ]
 
 # STATE_FORMAT_PREFIX, ``state-format/<stage>``: how the stage's state is stored (a key of
@@ -172,6 +173,15 @@ def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa
     """The live rows of one key group range: its chain replayed, every file verified as it is
     read; the state schema's columns only (no ``_written_at``), rows expired at the
     snapshot's time left out."""
+    stored, layout, clock, snapshot_time, key_groups = _replay_keyed_part(part, schema, options)
+    live = _unexpired(stored, layout, clock, snapshot_time)
+    return _as_schema(part.stage, live, schema, f"key group range {key_groups}")
+
+
+def _replay_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> tuple:
+    """One key group range's chain replayed, every file verified as it is read: the stored
+    rows (expired ones not dropped yet included), the layout, the recorded clock, the
+    snapshot's time and the range."""
     properties = dict(part.properties)
     described = properties.pop(_KEYED_STATE, "").encode()
     snapshot_time = properties.pop(_SNAPSHOT_TIME, None)
@@ -195,8 +205,7 @@ def _read_keyed_part(part: StatePart, schema: pa.Schema, options: Mapping) -> pa
         raise  # a corrupt or missing file, already named
     except ValueError as exc:  # KeyedStateFormatError and the like: a foreign file
         raise InvalidCheckpointError(f"stage {part.stage!r}: {exc}") from exc
-    live = _unexpired(stored, layout, clock, snapshot_time)
-    return _as_schema(part.stage, live, schema, f"key group range {chain.key_groups}")
+    return stored, layout, clock, snapshot_time, chain.key_groups
 
 
 def _snapshot_now(
@@ -298,6 +307,17 @@ def read_state_part(
     """The rows of one part (with ``schema``), verified as they are read. This is what runs
     on a Spark executor: ``storage_options`` come from that process (its environment)."""
     return _state_format(part.format, part.stage).read(part, schema, storage_options or {})
+
+
+def stored_row_count(
+    part: StatePart, schema: pa.Schema, storage_options: Mapping | None = None
+) -> int:
+    """How many rows one part stores, every file verified as it is read (a keyed part: its
+    chain replayed), a keyed stage's rows expired under its TTL but not dropped yet included:
+    what its checkpoint records as the part's ``rows`` (readers leave those rows out)."""
+    if part.format == CHAIN_FORMAT:
+        return _replay_keyed_part(part, schema, storage_options or {})[0].num_rows
+    return read_state_part(part, schema, storage_options).num_rows
 
 
 def _variables(stage: str, schema: pa.Schema, variable: str) -> tuple[StateVariables, pa.Schema]:

@@ -106,12 +106,14 @@ class _Start(threading.Thread):
         try:
             self.existed = session_exists()
             session = build_spark_session(*self.args)
+            # The workers of the run's first batch, started while Dagster sets the run up, and
+            # before the setups: registering the ``checkpoint`` data source waits for a Python
+            # process of Spark's own (its data source lookup) while a core is idle.
+            self.warm_up = warm_up_workers(session)
             for setup in list(SESSION_SETUPS):
                 setup(session)
                 self.setups.append(setup)
             self.session = session
-            # The workers of the run's first batch, started while Dagster sets the run up.
-            self.warm_up = warm_up_workers(session)
         except Exception:  # noqa: BLE001
             # Raised where the session is asked for: the resource builds it again there, in
             # the caller's thread, and that attempt fails with the same error.

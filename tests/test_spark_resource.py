@@ -191,9 +191,16 @@ _WARM_UP_CHILD = textwrap.dedent("""
             if thread.name == "spark-warm-up":
                 thread.join()
 
+    # The warm-up starts before the session's setups (the checkpoint source's registration
+    # waits for Spark's data source lookup), so a setup finds it started.
+    from resources import on_session_created
+    at_setup = []
+    on_session_created(lambda s: at_setup.append(s.sparkContext in warmup._STARTED))
+
     resource = SparkResource(master="local[2]", app_name="warm", conf={"spark.ui.enabled": "false"})
     resource.start()
     session = resource.session
+    print("warm-up before the setups", at_setup, flush=True)
     join_warm_up()
     rows = session.range(0, 2, 1, 2).mapInArrow(warmed, "id long, warmed boolean").collect()
     print("warmed", sorted(tuple(r) for r in rows), flush=True)
@@ -207,13 +214,16 @@ _WARM_UP_CHILD = textwrap.dedent("""
 
 @pytest.mark.timeout(300)
 def test_a_started_session_warms_up_its_python_workers():
-    """``SparkResource.start`` runs the warm-up after the session's start: a query's tasks
+    """``SparkResource.start`` runs the warm-up after the session's start, before its setups
+    (the data source's registration): a query's tasks
     then run in workers the warm-up started, and a runner asking again gets that warm-up.
     On a stopped session there is none (and no new SparkContext). The runner's side, and a
     failing warm-up: tests/pipelines/test_warm_up.py."""
     done = subprocess.run([sys.executable, "-c", _WARM_UP_CHILD], capture_output=True,
                           text=True, timeout=280)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(("warmed", "once", "stop"))]
-    assert ["warmed [(0, True), (1, True)]",
+    lines = [ln for ln in done.stdout.splitlines()
+             if ln.startswith(("warm-up", "warmed", "once", "stop"))]
+    assert ["warm-up before the setups [True]",
+            "warmed [(0, True), (1, True)]",
             "once True",
             "stopped None True"] == lines, done.stdout[-2000:] + done.stderr[-3000:]

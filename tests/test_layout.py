@@ -31,6 +31,8 @@ RUNNER_METHODS = {
     "next_checkpoint_id": [],
     "restore_advice": [("damaged_pointer", "POSITIONAL_OR_KEYWORD", None),
                        ("problems", "POSITIONAL_OR_KEYWORD", None)],
+    "restored_row_counts": [("metadata", "POSITIONAL_OR_KEYWORD", None),
+                            ("pointer", "POSITIONAL_OR_KEYWORD", None)],
     "restore_states": [("metadata", "POSITIONAL_OR_KEYWORD", None),
                        ("parallelism", "POSITIONAL_OR_KEYWORD", "None"),
                        ("include_expired", "KEYWORD_ONLY", "False")],

@@ -746,6 +746,12 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
             "from_runner_start"]
         print(f"S={size:,} recovery (worst point) from the runner's start: {r:.2f}x SS "
               "RocksDB (no target)")
+    if ours and ss and ours.recovery and ss.recovery:
+        # "peak RSS" above is each system's peak over its run and its recoveries (ours' is
+        # its run's); this compares the recoveries alone
+        r = (max(p["peak_rss"] for p in ours.recovery.values())
+             / max(p["peak_rss"] for p in ss.recovery.values()))
+        print(f"S={size:,} peak RSS in recovery: {r:.2f}x SS RocksDB (no target)")
     return checks
 
 

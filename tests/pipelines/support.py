@@ -31,7 +31,9 @@ from pipelines.cli import register
 from pipelines.examples.click_events import STAGES, click_events_pipeline
 from pipelines.examples.click_events.events import batch_urls
 from pipelines.examples.click_events.stages import EVENT_SCHEMA
-from pipelines.keyed import KeyedStateLayout, KeyGroupRange
+from pipelines.keyed import KeyedStateChain, KeyedStateLayout, KeyGroupRange
+from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
+from pipelines.keyed._task import KeyedStageTask
 from resources import CheckpointStorageResource, SparkResource
 from sensors import build_stateful_assets, pipeline_definitions
 
@@ -302,6 +304,25 @@ class Job:
         self.location = self.access.initialize_location_for_checkpoint(1)
         self.factory = self.access.resolve_checkpoint_storage_location(
             1, self.location.location_reference)
+
+
+def keyed_batch_task(tmp_path: Path, stage: KeyedStage, output: pa.Schema,
+                     max_parallelism: int, parallelism: int, *,
+                     storage: FileSystemCheckpointStorage | None = None,
+                     **task_options) -> KeyedStageTask:
+    """Range 0's batch task of ``stage`` over ``parallelism`` empty chains, writing checkpoint
+    1 of a new job in ``storage`` (default: a new one under ``tmp_path``), its local stores
+    under ``tmp_path``."""
+    storage = storage or FileSystemCheckpointStorage(str(tmp_path / "checkpoints"))
+    job_id = JobID.generate()
+    access = storage.create_checkpoint_storage(job_id)
+    access.initialize_base_locations()
+    location = access.initialize_location_for_checkpoint(1)
+    chains = tuple(KeyedStateChain(compute_key_group_range_for_operator_index(
+        max_parallelism, parallelism, i), None) for i in range(parallelism))
+    return KeyedStageTask(storage, str(job_id), 1, location.location_reference, stage, output,
+                          max_parallelism, parallelism, chains, 0,
+                          local_dir=str(tmp_path / "local"), **task_options)
 
 
 def deletes(keys) -> pa.Table:

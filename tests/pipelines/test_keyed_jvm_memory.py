@@ -10,11 +10,9 @@ import pyarrow as pa
 import pytest
 from pyspark import StorageLevel, cloudpickle
 
-from checkpoint_storage import FileSystemCheckpointStorage, JobID
-from pipelines.keyed import KeyedStage, KeyedStateChain, apply_keyed_batch
-from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
+from pipelines.keyed import KeyedStage, apply_keyed_batch
 from pipelines.keyed._task import KeyedStageTask
-from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks
+from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks, keyed_batch_task
 
 # Spark's workers cannot import this test module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -33,17 +31,9 @@ def record_pass_batch_rows(directory: str, operator_index: int, attempt: int) ->
 
 
 def _task(tmp_path: Path, **kwargs) -> KeyedStageTask:
-    storage = FileSystemCheckpointStorage(str(tmp_path / "checkpoints"))
-    job_id = JobID.generate()
-    access = storage.create_checkpoint_storage(job_id)
-    access.initialize_base_locations()
-    location = access.initialize_location_for_checkpoint(1)
-    chains = tuple(KeyedStateChain(compute_key_group_range_for_operator_index(
-        MAX_PARALLELISM, 2, i), None) for i in range(2))
-    return KeyedStageTask(storage, str(job_id), 1, location.location_reference,
-                          KeyedStage("clicks", "user", CLICK_COUNT_STATE, count_clicks), OUTPUT,
-                          MAX_PARALLELISM, 2, chains, 0, local_dir=str(tmp_path / "local"),
-                          **kwargs)
+    return keyed_batch_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
+                                                 count_clicks),
+                            OUTPUT, MAX_PARALLELISM, 2, **kwargs)
 
 
 @pytest.mark.timeout(120)

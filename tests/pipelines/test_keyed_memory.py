@@ -14,18 +14,16 @@ import pytest
 from pyspark import cloudpickle
 from pyspark.sql.functions import spark_partition_id
 
-from checkpoint_storage import FileSystemCheckpointStorage, JobID
+from checkpoint_storage import FileSystemCheckpointStorage
 from pipelines.keyed import (
     KeyedResult,
     KeyedStage,
-    KeyedStateChain,
     apply_keyed_batch,
     snapshot_keyed_state,
 )
-from pipelines.keyed._key_groups import compute_key_group_range_for_operator_index
 from pipelines.keyed._routing import OPERATOR_INDEX
 from pipelines.keyed._task import KeyedStageTask
-from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks
+from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks, keyed_batch_task
 
 # Spark's workers cannot import this test module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -71,15 +69,8 @@ def record_worker(directory: str, operator_index: int, attempt: int) -> None:
 def _task(tmp_path: Path, stage: KeyedStage, **kwargs) -> KeyedStageTask:
     storage = FileSystemCheckpointStorage(str(tmp_path / "checkpoints"),
                                           file_state_size_threshold=0)
-    job_id = JobID.generate()
-    access = storage.create_checkpoint_storage(job_id)
-    access.initialize_base_locations()
-    location = access.initialize_location_for_checkpoint(1)
-    chains = tuple(KeyedStateChain(compute_key_group_range_for_operator_index(
-        MAX_PARALLELISM, 2, i), None) for i in range(2))
-    return KeyedStageTask(storage, str(job_id), 1, location.location_reference, stage, OUTPUT,
-                          MAX_PARALLELISM, 2, chains, 0, local_dir=str(tmp_path / "local"),
-                          **kwargs)
+    return keyed_batch_task(tmp_path, stage, OUTPUT, MAX_PARALLELISM, 2, storage=storage,
+                            **kwargs)
 
 
 @pytest.mark.timeout(120)
@@ -201,15 +192,7 @@ def _counting_pool():
 
 def _one_range_task(tmp_path: Path, stage: KeyedStage) -> KeyedStageTask:
     """A batch task of one range holding every key group, on a new checkpoint storage."""
-    storage = FileSystemCheckpointStorage(str(tmp_path / "checkpoints"))
-    job_id = JobID.generate()
-    access = storage.create_checkpoint_storage(job_id)
-    access.initialize_base_locations()
-    location = access.initialize_location_for_checkpoint(1)
-    everything = (KeyedStateChain(compute_key_group_range_for_operator_index(
-        MAX_PARALLELISM, 1, 0), None),)
-    return KeyedStageTask(storage, str(job_id), 1, location.location_reference, stage, OUTPUT,
-                          MAX_PARALLELISM, 1, everything, 0, local_dir=str(tmp_path / "local"))
+    return keyed_batch_task(tmp_path, stage, OUTPUT, MAX_PARALLELISM, 1)
 
 
 def _routed_users(task: KeyedStageTask, users: int, padding: int = 0) -> list[pa.RecordBatch]:

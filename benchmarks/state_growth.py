@@ -487,15 +487,15 @@ def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
                                          args=(f"state_growth-{system_name}",
                                                args.ss_min_deltas), daemon=True)
         session_start.start()
-    if system_name == "ours" and args.prefetch:
-        from checkpoint_storage import FileSystemCheckpointStorage
-        from pipelines import prefetch_local_stores
+        if args.prefetch:
+            from checkpoint_storage import FileSystemCheckpointStorage
+            from pipelines import prefetch_local_stores
 
-        pipeline = _ours_pipeline(*_land(data, work))
-        stamps["prefetch_start"] = time.time()
-        prefetch = prefetch_local_stores(FileSystemCheckpointStorage(str(work / "checkpoint")),
-                                         pipeline, local_dir=local_dir)
-    if system_name == "ours":
+            pipeline = _ours_pipeline(*_land(data, work))
+            stamps["prefetch_start"] = time.time()
+            prefetch = prefetch_local_stores(
+                FileSystemCheckpointStorage(str(work / "checkpoint")), pipeline,
+                local_dir=local_dir)
         session_start.join()
     system = System(system_name, data, work, args.ss_min_deltas)
     started = time.time()
@@ -507,18 +507,15 @@ def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
     prefetched = None if prefetch is None else [
         {"outcome": p.outcome, "seconds": round(p.seconds, 2)} for p in prefetch.wait()]
     _say("RESULT", {"runner_start": started, "done": done, "prefetched": prefetched,
-                    "stamps": stamps,
-                    "cpu": _thread_cpu({getattr(prefetch, "_thread", None) and
-                                        prefetch._thread.native_id: "prefetch"})})
+                    "stamps": stamps, "cpu": _thread_cpu()})
 
 
-def _thread_cpu(labels: dict) -> dict[str, float]:
-    """CPU seconds (user + system) of this process's main thread, the threads ``labels``
-    names (by native id), its other threads (Arrow's pool, py4j's) and its children (the
-    JVM): where a recovery's CPU went."""
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process, its main thread, its live other threads
+    (Arrow's pool, py4j's; a finished thread's, e.g. the prefetch's, counts in the process
+    only) and its children (the JVM): where a recovery's CPU went."""
     tick, cpu = os.sysconf("SC_CLK_TCK"), {}
-    paths = {f"/proc/self/task/{t}/stat": labels.get(int(t), "main" if int(t) == os.getpid()
-                                                     else "other threads")
+    paths = {f"/proc/self/task/{t}/stat": "main" if int(t) == os.getpid() else "other threads"
              for t in os.listdir("/proc/self/task")}
     with open(f"/proc/self/task/{os.getpid()}/children") as f:
         paths |= {f"/proc/{c}/stat": "children (JVM)" for c in f.read().split()}

@@ -390,39 +390,36 @@ class ArrowKeyedStateStore(KeyedStateStore):
             source[pending[query]], row[pending[query]] = _IN_SEGMENT, rows
         return source, row
 
-    def _recalled(self, keys: pa.Table, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``_resolve``, for the keys the last ``get`` looked up from what it found (nothing
-        was written since): a batch's changes are of the keys it read, so ``apply`` then
-        searches the runs and the segment once per batch, not twice. A key is recalled only
-        if exactly one looked-up key has its hash and that key is equal; the others are
-        resolved."""
-        if self._looked_up is None or not len(hashes):
-            return self._resolve(keys, hashes)  # no index arrays beside the lookup's own
-        known, known_hashes, known_source, known_row = self._looked_up
+    def _recalled(self, keys: pa.Table, hashes: np.ndarray, looked_up: tuple | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """``_resolve``, taking what the last ``get`` found (``looked_up``; nothing was written
+        since) for the keys it looked up: a batch's changes are of the keys it read, so
+        ``apply`` searches the runs and the segment once per batch, not twice. A key is
+        recalled only if exactly one looked-up key has its hash and that key is equal; the
+        others are resolved."""
+        if looked_up is None or not len(hashes):
+            return self._resolve(keys, hashes)
+        known, known_hashes, known_source, known_row = looked_up
         order = np.argsort(known_hashes, kind="stable")
         ordered = known_hashes[order]
         left = np.searchsorted(ordered, hashes, side="left")
         once = np.flatnonzero(np.searchsorted(ordered, hashes, side="right") - left == 1)
         at = order[left[once]]
-        same = None
+        same = np.ones(len(once), bool)
         for name in self.layout.key:
             equal = pc.equal(known.column(name).take(pa.array(at)),
                              keys.column(name).take(pa.array(once)))
-            same = equal if same is None else pc.and_(same, equal)
-        if same is None or not len(once):
-            return self._resolve(keys, hashes)
-        same = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
+            same &= pc.fill_null(equal, False).to_numpy(zero_copy_only=False)
         recalled, at = once[same], at[same]
         if not len(recalled):
-            return self._resolve(keys, hashes)
+            return self._resolve(keys, hashes)  # no index arrays beside the lookup's own
         source = np.full(len(hashes), _ABSENT, np.int64)
         row = np.zeros(len(hashes), np.int64)
         source[recalled], row[recalled] = known_source[at], known_row[at]
         if len(recalled) == len(hashes):
             return source, row
         rest = np.setdiff1d(np.arange(len(hashes)), recalled, assume_unique=True)
-        asked = keys if len(rest) == len(hashes) else keys.take(pa.array(rest))
-        source[rest], row[rest] = self._resolve(asked, hashes[rest])
+        source[rest], row[rest] = self._resolve(keys.take(pa.array(rest)), hashes[rest])
         return source, row
 
     def _live(self, source: np.ndarray, row: np.ndarray) -> np.ndarray:
@@ -568,11 +565,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
             tombstones.append_column(_DELETED, pa.repeat(True, tombstones.num_rows)),
         ])
         hashes = _numpy(change.column(_HASH))
-        self._looked_up = looked_up
-        try:
-            source, row = self._recalled(change, hashes)
-        finally:
-            self._looked_up = None
+        source, row = self._recalled(change, hashes, looked_up)
+        del looked_up  # not held through a merge
         was_live = self._live(source, row)
         upserted = ~_numpy(change.column(_DELETED))
         self._rows += int((upserted & ~was_live).sum()) - int((~upserted & was_live).sum())

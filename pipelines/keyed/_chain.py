@@ -646,7 +646,7 @@ def _chain_slices(chain: KeyedStateChain, overlap: KeyGroupRange, layout: KeyedS
     ends = [overlap.start + (len(overlap) * (i + 1)) // count - 1 for i in range(count)]
     later = [[] for _ in ends]  # by slice: the change files' parts, oldest first
     for file in opened:
-        # change files are small: decoded in this thread, not in Arrow's pool
+        # change files are small: decoded in this thread, not in Arrow's thread pool
         table = next(file.tables(whole=True, use_threads=False))
         for index, part in enumerate(_split_by_key_groups(table, ends, file.what)):
             if part.num_rows:

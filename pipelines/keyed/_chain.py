@@ -382,6 +382,68 @@ def _read_row_groups(handle: StreamStateHandle, layout: KeyedStateLayout, kind: 
     see ``read_parquet``). The file's bytes
     are read and verified whole first (they are compressed: a fraction of the rows'
     size), its identity checked before any row is yielded."""
+    yield from _open(handle, layout, kind, key_groups, wanted, read_bytes).tables(
+        whole=whole, use_threads=use_threads)
+
+
+@dataclass(frozen=True)
+class _OpenedFile:
+    """A keyed state file whose bytes are verified and whose identity is checked, not decoded
+    yet: its ``rows`` (of the row groups ``wanted`` needs) are known from its metadata."""
+
+    parquet: pq.ParquetFile
+    layout: KeyedStateLayout
+    schema: pa.Schema
+    columns: list[str]
+    row_groups: list[int]
+    wanted: KeyGroupRange | None  # None: the file's whole range
+    what: str
+
+    @property
+    def rows(self) -> int:
+        return sum(self.parquet.metadata.row_group(i).num_rows for i in self.row_groups)
+
+    def row_groups_in_order(self) -> bool:
+        """Whether each row group read holds no key group below the one before's (their
+        statistics say so): the file's rows are in key group order between row groups."""
+        if len(self.row_groups) < 2:
+            return True
+        column = next(i for i in range(self.parquet.metadata.num_columns)
+                      if self.parquet.schema.column(i).path == KEY_GROUP)
+        previous = None
+        for index in self.row_groups:
+            statistics = self.parquet.metadata.row_group(index).column(column).statistics
+            if statistics is None or not statistics.has_min_max:
+                return False
+            if previous is not None and statistics.min < previous:
+                return False
+            previous = statistics.max
+        return True
+
+    def tables(self, *, whole: bool = False, use_threads: bool = True) -> Iterator[pa.Table]:
+        """Its rows (of ``wanted`` key groups), a row group at a time or ``whole``."""
+        groups_of_parts = [self.row_groups] if whole or not self.row_groups else [
+            [g] for g in self.row_groups]
+        for part in groups_of_parts:
+            try:
+                table = read_parquet(self.parquet, self.columns, part, use_threads=use_threads)
+                table = evolve_table(table, self.schema, self.layout.renamed,
+                                     self.layout.defaults, self.what)
+            except (pa.ArrowException, ValueError) as exc:
+                raise KeyedStateFormatError(f"{self.what} is unreadable ({exc}); restore from "
+                                            "an earlier checkpoint or a savepoint") from exc
+            if self.wanted is not None:
+                groups = table.column(KEY_GROUP)
+                table = table.filter(pc.and_(pc.greater_equal(groups, self.wanted.start),
+                                             pc.less_equal(groups, self.wanted.end)))
+            yield table
+
+
+def _open(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
+          key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
+          read_bytes: ReadBytes | None = None) -> _OpenedFile:
+    """A keyed state file of ``kind`` and ``key_groups``, its bytes read and verified whole
+    (``read_bytes``, default the handle's ``open()``) and its identity checked."""
     what = f"keyed state {kind} file {_describe(handle)}"
     data = _verified_bytes(handle, what) if read_bytes is None else read_bytes(handle)
     try:
@@ -407,18 +469,8 @@ def _read_row_groups(handle: StreamStateHandle, layout: KeyedStateLayout, kind: 
     except (pa.ArrowException, ValueError) as exc:
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
                                     "checkpoint or a savepoint") from exc
-    for part in [row_groups] if whole or not row_groups else [[g] for g in row_groups]:
-        try:
-            table = read_parquet(parquet, columns, part, use_threads=use_threads)
-            table = evolve_table(table, schema, layout.renamed, layout.defaults, what)
-        except (pa.ArrowException, ValueError) as exc:
-            raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an "
-                                        "earlier checkpoint or a savepoint") from exc
-        if narrower:
-            groups = table.column(KEY_GROUP)
-            table = table.filter(pc.and_(pc.greater_equal(groups, wanted.start),
-                                         pc.less_equal(groups, wanted.end)))
-        yield table
+    return _OpenedFile(parquet, layout, schema, columns, row_groups,
+                       wanted if narrower else None, what)
 
 
 def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:
@@ -532,46 +584,202 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
                   chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
     """A fresh local store at ``directory`` (whatever was there is removed: it is a cache)
     holding the ``key_groups`` of ``chains``, marked ``version``: what a task does when it
-    finds no store for its range, a stale one, or one it cannot read. The chains' files are
-    read first (each verified and checked as ``replay_chains`` does; a file that cannot be
-    read fails the rebuild, naming it, before the store is touched), then replayed in one
-    pass (``_last_rows_in_store_order``) into rows in the segment's order, loaded as they are:
-    no lookup of the changes in the base, no merge, one write."""
-    files, deleted = [], []  # each file's stored columns, and which of its rows are deletes
+    finds no store for its range, a stale one, or one it cannot read. Each chain is replayed
+    in slices of its key groups (``_SLICE_ROWS`` rows of its files each): a slice's rows of
+    the base and of the change files, oldest first, in one pass (``_last_rows_in_store_order``)
+    into rows in the segment's order; the slices' winners, in key group order, are loaded as
+    the segment: no lookup of the changes in the base, no merge, one write. What a rebuild
+    holds at once is a slice's rows and work, the winners so far and the change files'
+    later slices, not the chain's rows and the work over all of them. Every file is read
+    (verified and checked as ``replay_chains`` does) before the store is touched: a file
+    that cannot be read fails the rebuild, naming it, and leaves the store as it was."""
+    winners, hashes = [], []  # each slice's winners (stored columns) and their key hashes
     for chain in sorted(chains, key=lambda c: c.key_groups.start):
         overlap = chain.key_groups.intersection(key_groups)
-        if not len(overlap):
-            continue
-        if chain.full_snapshot is not None:
-            base = _read(chain.full_snapshot, layout, _FULL_SNAPSHOT, chain.key_groups,
-                         overlap)
-            files.append(base)
-            deleted.append(np.zeros(base.num_rows, np.bool_))
-        # change files are small: decoded one column after another, not in Arrow's threads
-        for change in chain.changes:
-            files.append(_read(change, layout, _CHANGE, chain.key_groups, overlap,
-                               use_threads=False))
-            deleted.append(files[-1].column(DELETED).to_numpy(zero_copy_only=False))
+        if len(overlap) and chain.handles:
+            for files, deleted in _chain_slices(chain, overlap, layout):
+                taken, taken_hashes = _slice_winners(files, deleted, layout)
+                del files, deleted
+                if taken.num_rows:
+                    winners.append(taken)
+                    hashes.append(taken_hashes)
+                del taken
+                pa.default_memory_pool().release_unused()
     remove_store(directory)
     store = ArrowKeyedStateStore(directory, layout, key_groups)
-    if not files:
+    if not winners:
         store.load(layout.stored_schema.empty_table(), version=version)
         return store
+    rows = _concatenated_releasing(_replay_schema(layout), winners)
+    # the rows' hashes are known: the store does not hash them again
+    store.load(rows, version=version, key_hashes=np.concatenate(hashes))
+    return store
+
+
+_SLICE_ROWS = 1 << 20
+"""Rows of a chain's files (its base's and its change files') a rebuild replays at once: the
+numpy work over a slice's rows (hashes, the sort, the collision check: ~40 bytes a row) and
+its decoded rows are held for one slice, not for the range (at the worst point of a 4M-row
+range: its 8M rows)."""
+
+
+def _chain_slices(chain: KeyedStateChain, overlap: KeyGroupRange, layout: KeyedStateLayout
+                  ) -> Iterator[tuple[list[pa.Table], list[np.ndarray]]]:
+    """The rows of ``chain``'s files in ``overlap``, a slice of its key groups at a time, in
+    key group order: each slice's parts of its files, oldest first, and which of their rows
+    are deletes. The base (the full snapshot, or the first change file of a chain that
+    started empty: the bulk of its rows) is decoded a row group at a time as the slices
+    need it (its row groups follow each other by key group); the change files (one row
+    group each, typically) are decoded once, whole, and their slices copied apart, so that
+    each slice's part is freed once replayed. Every file is opened (read and verified
+    whole) before the first slice is yielded."""
+    if chain.full_snapshot is not None:
+        base = _open(chain.full_snapshot, layout, _FULL_SNAPSHOT, chain.key_groups, overlap)
+        changes = chain.changes
+    else:
+        base = _open(chain.changes[0], layout, _CHANGE, chain.key_groups, overlap)
+        changes = chain.changes[1:]
+    opened = [_open(change, layout, _CHANGE, chain.key_groups, overlap) for change in changes]
+    rows = base.rows + sum(file.rows for file in opened)
+    count = max(1, min(len(overlap), -(-rows // _SLICE_ROWS)))
+    # each slice's last key group: the range in ``count`` slices of about as many key groups
+    ends = [overlap.start + (len(overlap) * (i + 1)) // count - 1 for i in range(count)]
+    later = [[] for _ in ends]  # by slice: the change files' parts, oldest first
+    for file in opened:
+        # change files are small: decoded in this thread, not in Arrow's thread pool
+        table = next(file.tables(whole=True, use_threads=False))
+        for index, part in enumerate(_split_by_key_groups(table, ends, file.what)):
+            if part.num_rows:
+                later[index].append(_copied(part) if count > 1 else part)
+        del table
+    del opened
+    if base.row_groups_in_order():
+        base_tables = base.tables(use_threads=False)
+    else:  # written before files were sorted by key group: sorted here, whole
+        base_tables = iter([next(base.tables(whole=True, use_threads=False))])
+    for index, parts in enumerate(_split_stream_by_key_groups(base_tables, ends, base.what)):
+        parts.extend(later[index])
+        later[index] = None
+        if not parts:
+            continue
+        yield parts, [part.column(DELETED).to_numpy(zero_copy_only=False)
+                      if DELETED in part.column_names else np.zeros(part.num_rows, np.bool_)
+                      for part in parts]
+        del parts
+
+
+def _split_by_key_groups(table: pa.Table, ends: list[int], what: str) -> list[pa.Table]:
+    """``table``'s rows in parts whose key groups end at each of ``ends`` (views of it when
+    it is sorted by key group, as files are written; else of a sorted copy). A row past the
+    last of ``ends`` (outside the range its file says it holds) fails: no row is left out."""
+    table, groups = _by_key_group(table)
+    bounds = np.searchsorted(groups, ends, side="right")
+    if len(groups) and bounds[-1] < len(groups):
+        raise _outside(what, ends[-1], groups[bounds[-1]])
+    starts = np.concatenate([[0], bounds[:-1]])
+    return [table.slice(int(a), int(b - a)) for a, b in zip(starts, bounds, strict=True)]
+
+
+def _split_stream_by_key_groups(tables: Iterator[pa.Table], ends: list[int], what: str
+                                ) -> Iterator[list[pa.Table]]:
+    """The rows of ``tables`` (one after another in key group order, each sorted here if
+    need be) gathered by slice: the tables (or parts of them) whose key groups end at each of
+    ``ends``, in turn; a table is decoded only when the slices before took all they need of
+    the ones before it. A row past the last of ``ends`` fails, as in
+    ``_split_by_key_groups``."""
+    pending = None
+    for end in ends:
+        parts = []
+        while True:
+            if pending is None:
+                pending = next(tables, None)
+                if pending is None:
+                    break
+                pending, groups = _by_key_group(pending)
+            cut = int(np.searchsorted(groups, end, side="right"))
+            if cut:
+                parts.append(pending.slice(0, cut))
+            if cut < pending.num_rows:
+                pending, groups = pending.slice(cut), groups[cut:]
+                break
+            pending = None
+        yield parts
+    for table in [] if pending is None else [pending]:
+        raise _outside(what, ends[-1], _groups(table)[0])
+    for table in tables:
+        if table.num_rows:
+            raise _outside(what, ends[-1], _groups(table)[0])
+
+
+def _by_key_group(table: pa.Table) -> tuple[pa.Table, np.ndarray]:
+    """``table`` sorted by key group (as it is, if it is: files are written so), and its key
+    groups."""
+    groups = _groups(table)
+    if len(groups) > 1 and (np.diff(groups) < 0).any():
+        order = np.argsort(groups, kind="stable")
+        table, groups = table.take(pa.array(order)), groups[order]
+    return table, groups
+
+
+def _outside(what: str, last: int, group) -> KeyedStateFormatError:
+    return KeyedStateFormatError(f"{what} holds rows of key group {int(group)}, past the last "
+                                 f"one read ({last}); restore from an earlier checkpoint or a "
+                                 "savepoint")
+
+
+def _groups(table: pa.Table) -> np.ndarray:
+    column = table.column(KEY_GROUP)
+    return (column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            ).to_numpy(zero_copy_only=False) if column.num_chunks else np.zeros(0, np.int16)
+
+
+def _copied(table: pa.Table) -> pa.Table:
+    """``table``'s rows in buffers of their own (not views on the file they were sliced from),
+    so that they are freed with it."""
+    return pa.Table.from_arrays([pa.concat_arrays(column.chunks) for column in table.columns],
+                                schema=table.schema)
+
+
+def _slice_winners(files: list[pa.Table], deleted: list[np.ndarray],
+                   layout: KeyedStateLayout) -> tuple[pa.Table, np.ndarray]:
+    """The state a slice of a chain's files (oldest first; ``deleted``: which of their rows are
+    deletes) replays to, in the segment's order, and its key hashes."""
     # the files' columns as the chunks of one table, not copied into one: the take below
-    # gathers the winners from them column by column (a copy of every row held the files'
-    # rows twice, 0.4 GB more at the peak of a 4M-row range, and cost ~0.3 s of CPU)
+    # gathers the winners from them column by column
     rows = concat_as(_replay_schema(layout), files)
-    del files
+    del files[:]
     rows = _with_combined_keys(rows, layout.key)
     hashes = hash_keys(rows, layout.key)
-    winners = _last_rows_in_store_order(rows, np.concatenate(deleted), hashes, layout)
-    del deleted
+    winners = _last_rows_in_store_order(rows, np.concatenate(deleted) if deleted else
+                                        np.zeros(0, np.bool_), hashes, layout)
+    del deleted[:]
     schema, columns = rows.schema, rows.columns
     del rows  # the columns list holds them alone: each freed once taken
-    rows = _take_releasing(schema, columns, winners)
-    # the rows' hashes are known: the store does not hash them again
-    store.load(rows, version=version, key_hashes=hashes[winners])
-    return store
+    return _take_releasing(schema, columns, winners), hashes[winners]
+
+
+def _concatenated_releasing(schema: pa.Schema, tables: list[pa.Table]) -> pa.Table:
+    """``tables`` (of ``schema``) as one table of one chunk a column (a segment is one record
+    batch: see ``ArrowKeyedStateStore._write_arrow``), made column by column, each of the
+    tables' columns dropped once copied: the peak holds the tables and one column, not two
+    copies of the state. ``tables`` is emptied. A column too large for one chunk (offset
+    overflow) stays in its chunks."""
+    columns = [[chunk for table in tables for chunk in table.column(i).chunks]
+               for i in range(len(schema))]
+    del tables[:]
+    combined = []
+    for i, field in enumerate(schema):
+        chunks, columns[i] = columns[i], None
+        if len(chunks) == 1:
+            combined.append(chunks[0])
+            continue
+        try:
+            combined.append(pa.concat_arrays(chunks))
+        except (pa.ArrowInvalid, pa.ArrowCapacityError):
+            combined.append(pa.chunked_array(chunks, field.type))
+        del chunks
+        pa.default_memory_pool().release_unused()
+    return pa.Table.from_arrays(combined, schema=schema)
 
 
 def _with_combined_keys(rows: pa.Table, key: tuple[str, ...]) -> pa.Table:

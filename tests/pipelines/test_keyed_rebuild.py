@@ -3,7 +3,9 @@ state as the per-file replay, loaded as one segment, and a damaged file still re
 name before the store is touched. No Spark: real checkpoint storage on local disk."""
 
 import tempfile
+import tracemalloc
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pyarrow as pa
@@ -92,16 +94,22 @@ def _chains(job: Job, tmp: Path, layout: KeyedStateLayout, base: dict, files: li
 
 @settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
 @given(LAYOUTS, st.dictionaries(st.sampled_from(USERS), st.integers(0, 99), max_size=12),
-       FILES, st.booleans())
+       FILES, st.booleans(), st.sampled_from([1 << 20, 1, 5]))
 # a key changed in several files, deleted, then added again; another deleted for good
 @example(LAYOUT, {"user_1": 1, "user_2": 2},
          [({"user_1": 10}, {"user_2"}), ({"user_1": 11}, set()), ({}, {"user_1"}),
-          ({"user_1": 12, "user_3": 3}, set()), ({"user_3": 4}, set())], False)
-def test_one_pass_rebuild_equals_the_per_file_replay(layout, base, files, snapshot):
+          ({"user_1": 12, "user_3": 3}, set()), ({"user_3": 4}, set())], False, 1 << 20)
+@example(LAYOUT, {"user_1": 1, "user_2": 2},
+         [({"user_1": 10}, {"user_2"}), ({"user_1": 11}, set()), ({}, {"user_1"}),
+          ({"user_1": 12, "user_3": 3}, set()), ({"user_3": 4}, set())], True, 1)
+def test_one_pass_rebuild_equals_the_per_file_replay(layout, base, files, snapshot,
+                                                     slice_rows):
     """For random chains of upserts and deletes (starting from a full snapshot or empty),
     the store rebuilt in one pass holds what the per-file replay (``replay_chains``) and a
-    dict hold, for the whole range and for a range across both chains (rescaling)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    dict hold, for the whole range and for a range across both chains (rescaling); also
+    rebuilt in slices of its key groups (``slice_rows``: 1, a slice per key group)."""
+    with tempfile.TemporaryDirectory() as tmp, \
+            mock.patch.object(_chain, "_SLICE_ROWS", slice_rows):
         tmp = Path(tmp)
         job = Job(tmp)
         chains, model = _chains(job, tmp, layout, base, files, snapshot)
@@ -153,9 +161,14 @@ def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch, check_rows):
         replay_chains([chain], LAYOUT, ALL))
 
 
-def test_a_damaged_change_file_in_the_middle_fails_the_rebuild_naming_it(job, tmp_path):
+@pytest.mark.parametrize("slice_rows", [1 << 20, 1])
+def test_a_damaged_change_file_in_the_middle_fails_the_rebuild_naming_it(job, tmp_path,
+                                                                          monkeypatch,
+                                                                          slice_rows):
     """A change file whose bytes changed on storage, in the middle of a chain, fails the
-    rebuild with an error naming it, and the store that was there is left as it was."""
+    rebuild with an error naming it, and the store that was there is left as it was; also
+    when the rebuild goes by slices of the key groups (``slice_rows`` 1: one per group)."""
+    monkeypatch.setattr(_chain, "_SLICE_ROWS", slice_rows)
     chain = KeyedStateChain(ALL, None)
     for number in range(5):
         chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL,
@@ -297,4 +310,117 @@ def test_the_rebuild_never_holds_the_chain_and_all_winners_at_once(job, tmp_path
     winners = store._segment.nbytes
     assert pool.max_memory() < decoded + winners, (pool.max_memory(), decoded, winners)
     assert as_model(replay_chains([chain], LAYOUT, ALL)) == store_state(store)
+    store.close()
+
+
+def _snapshot_and_changes(job: Job, tmp_path: Path, layout: KeyedStateLayout,
+                          key_groups: KeyGroupRange, keys: int, files: int,
+                          monkeypatch) -> KeyedStateChain:
+    """A full snapshot of ``keys`` users in row groups of 500 rows, then ``files`` change
+    files, each upserting a tenth of the users and deleting a thousandth."""
+    with monkeypatch.context() as patch:
+        patch.setattr(_chain, "_ROW_GROUP_ROWS", 500)
+        store = ArrowKeyedStateStore(tmp_path / "base", layout, key_groups)
+        store.load(clicks_table({f"user_{i}": i for i in range(keys)}))
+        chain = KeyedStateChain(key_groups, write_full_snapshot(
+            job.factory, layout, key_groups, store.sorted_batches(max_rows=500)))
+        store.destroy()
+    for number in range(files):
+        chain = chain.appended(write_change_file(
+            job.factory, layout, key_groups,
+            clicks_table({f"user_{i}": number for i in range(number, keys, 10)}),
+            deletes({f"user_{i}" for i in range(number + 3, keys, 1000)})))
+    return chain
+
+
+WIDE = KeyedStateLayout(("user",), SCHEMA, 64)  # 64 key groups: room for many slices
+
+
+def test_the_rebuild_holds_a_slice_of_the_chain_not_the_chain(job, tmp_path, monkeypatch):
+    """In slices of the key groups, a rebuild never holds the chain's files decoded at once
+    (Arrow's peak stays below the base's and the changes' decoded bytes), nor numpy's work
+    over all their rows (hashes, the sort, the collision check: ~70 bytes a row when the
+    range was replayed at once); the store is the same."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 10, monkeypatch)
+    decoded = sum(_chain._read(h, WIDE, kind, key_groups, None).nbytes for h, kind in zip(
+        chain.handles, [_chain._FULL_SNAPSHOT] + [_chain._CHANGE] * len(chain.changes),
+        strict=True))
+    chain_rows = 40_000 + 10 * 4_000
+    monkeypatch.setattr(_chain, "_SLICE_ROWS", 5_000)
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
+    pa.set_memory_pool(pool)
+    tracemalloc.start()
+    try:
+        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+        numpy_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        pa.set_memory_pool(previous)
+    assert pool.max_memory() < decoded, (pool.max_memory(), decoded)
+    assert numpy_peak < 32 * chain_rows, (numpy_peak, chain_rows)
+    assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
+    store.close()
+
+
+@pytest.mark.parametrize("narrower", [False, True])
+def test_a_store_rebuilt_in_slices_is_the_store_rebuilt_whole(job, tmp_path, monkeypatch,
+                                                              narrower):
+    """Slices of the key groups (a base row group across two of them, a range narrower than
+    the chain's) make the very segment one slice makes: the same rows in the same order,
+    one record batch, the same key group offsets and the same file bytes."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 6_000, 4, monkeypatch)
+    wanted = KeyGroupRange(3, 50) if narrower else key_groups
+    stores = []
+    for slice_rows in (1 << 20, 700):
+        monkeypatch.setattr(_chain, "_SLICE_ROWS", slice_rows)
+        stores.append(rebuild_store(tmp_path / f"store-{slice_rows}", WIDE, wanted, [chain],
+                                    "v"))
+    whole, sliced = stores
+    segment_bytes = [(s.directory / s._segment_file).read_bytes() for s in stores]
+    assert sliced._segment.equals(whole._segment)
+    assert sliced._offsets.tolist() == whole._offsets.tolist()
+    assert [1] * len(whole._segment.columns) == [c.num_chunks for c in sliced._segment.columns]
+    assert segment_bytes[0] == segment_bytes[1]
+    assert as_model(replay_chains([chain], WIDE, wanted)) == store_state(sliced)
+
+
+def test_files_out_of_key_group_order_are_sorted_before_they_are_sliced(job, tmp_path,
+                                                                       monkeypatch):
+    """Change files written before files were sorted by key group (a first change file of
+    several row groups, and later ones, in key order) rebuild to the per-file replay's state
+    in slices too."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    schema = _chain._file_schema(WIDE, _chain._CHANGE, key_groups)
+
+    def unsorted_change_file(model: dict[str, int], doomed: set[str]):
+        rows = clicks_table(model)
+        keys = pa.concat_tables([rows.select(["user"]), deletes(doomed)])
+        groups = WIDE.key_groups_of(keys).astype(np.int16)
+        table = pa.table({
+            "user": keys.column("user"),
+            "clicks": pa.concat_arrays([rows.column("clicks").combine_chunks(),
+                                        pa.nulls(len(doomed), pa.int64())]),
+            "seen": pa.concat_arrays([rows.column("seen").combine_chunks(),
+                                      pa.nulls(len(doomed), SCHEMA.field("seen").type)]),
+            _chain.KEY_GROUP: pa.array(groups, pa.int16()),
+            _chain.DELETED: pa.array([False] * rows.num_rows + [True] * len(doomed)),
+        }, schema=schema)
+        assert (np.diff(groups) < 0).any()  # not in key group order
+        return _chain._write(job.factory, schema, [table], "")
+
+    monkeypatch.setattr(_chain, "_ROW_GROUP_ROWS", 300)  # the first file: several row groups
+    chain = KeyedStateChain(key_groups, None, (
+        unsorted_change_file({f"user_{i}": i for i in range(2_000)}, set()),))
+    for number in range(3):
+        chain = chain.appended(unsorted_change_file(
+            {f"user_{i}": 100 + number for i in range(number, 2_000, 7)},
+            {f"user_{i}" for i in range(number + 1, 2_000, 13)}))
+    monkeypatch.setattr(_chain, "_SLICE_ROWS", 400)
+
+    store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+
+    assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()

@@ -370,10 +370,14 @@ class System:
     """What the worker drives: ``start`` (the runner or the query), ``batch(b)``, the final
     state, ``stop``."""
 
-    def __init__(self, name: str, data: Path, work: Path, ss_min_deltas: int) -> None:
+    def __init__(self, name: str, data: Path, work: Path, ss_min_deltas: int,
+                 spark=None) -> None:
         self.name, self.data, self.work = name, data, work
         self.checkpoint = work / "checkpoint"
-        self.spark = _spark(f"state_growth-{name}", ss_min_deltas)
+        # ``spark``: a session started already (ours' recovery). Asked for again, a session's
+        # builder sets its options on it, which builds its SessionState there and then.
+        self.spark = spark if spark is not None else _spark(f"state_growth-{name}",
+                                                            ss_min_deltas)
         self.spark.sparkContext.setLogLevel("ERROR")
         self.files = sorted(data.glob("batch-*.parquet"))
 
@@ -469,6 +473,25 @@ def worker_run(args, system: System) -> None:
     _say("RESULT", result)
 
 
+class _SessionStart(threading.Thread):
+    """Ours' session started in the background, then its workers' warm-up, as
+    ``SparkResource.start`` does: the warm-up's job (the Python daemon's start, its workers'
+    fork) runs beside the JVM's first SessionState and the runner's restore."""
+
+    def __init__(self, app: str, ss_min_deltas: int) -> None:
+        super().__init__(name="spark-session-start", daemon=True)
+        self.app, self.ss_min_deltas = app, ss_min_deltas
+        self.session = None
+        self.stamps: dict[str, float] = {}
+
+    def run(self) -> None:
+        self.session = _spark(self.app, self.ss_min_deltas)
+        self.stamps["session_built"] = time.time()
+        from pipelines.warm_up import warm_up_workers
+
+        warm_up_workers(self.session)
+
+
 def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
     """A new process (its start stamped by the parent): SparkSession, restore from the
     checkpoint in place (the copy at batch ``args.point``), batch ``args.point + 1``. Ours
@@ -478,14 +501,16 @@ def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
     local_dir = str(work / f"local-recover-{args.point}")
     prefetch = None
     stamps = {}  # the timeline (wall clock): printed, for the recovery's profile
+    session = None
     if system_name == "ours":
         # As a restart through the product does (``SparkResource.start`` in ``pipelines.main``):
-        # the JVM starts in the background while the driver imports the pipeline's modules and
-        # starts the prefetch; ``System`` below is handed that session. SS's worker has nothing
-        # to overlap with its session's start.
-        session_start = threading.Thread(target=_spark, name="spark-session-start",
-                                         args=(f"state_growth-{system_name}",
-                                               args.ss_min_deltas), daemon=True)
+        # the JVM starts in the background, and the workers' warm-up as soon as the session
+        # exists, while the driver imports the pipeline's modules and starts the prefetch;
+        # ``System`` below is handed that session. SS's worker has nothing to overlap with
+        # its session's start, and no Python workers.
+        import pyspark.sql  # noqa: F401  (here: the JVM's launch waits for no other import)
+
+        session_start = _SessionStart(f"state_growth-{system_name}", args.ss_min_deltas)
         session_start.start()
         if args.prefetch:
             from checkpoint_storage import FileSystemCheckpointStorage
@@ -497,7 +522,9 @@ def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
                 FileSystemCheckpointStorage(str(work / "checkpoint")), pipeline,
                 local_dir=local_dir)
         session_start.join()
-    system = System(system_name, data, work, args.ss_min_deltas)
+        session = session_start.session
+        stamps |= session_start.stamps
+    system = System(system_name, data, work, args.ss_min_deltas, spark=session)
     started = time.time()
     stamps["session_ready"] = started
     system.start(local_dir)

@@ -268,3 +268,44 @@ def test_the_benchmark_sessions_reset_serialization_streams_as_ours_do():
     from resources.spark import DEFAULT_SPARK_CONF
 
     assert SERIALIZER_RESETS.items() <= DEFAULT_SPARK_CONF.items()
+
+
+class _StartedSession:
+    """What the recover worker's ``System`` touches of a session started before it."""
+
+    class sparkContext:  # noqa: N801
+        levels: list = []
+
+        @classmethod
+        def setLogLevel(cls, level):  # noqa: N802
+            cls.levels.append(level)
+
+
+def test_ours_recovery_hands_its_started_session_to_the_runner(tmp_path, monkeypatch):
+    """The session ours' recover worker started in the background is the one its runner gets:
+    asking the builder again set its options on it, which built the session's SessionState
+    before the runner's start was stamped (SS's is built after it, by its query)."""
+
+    def no_second_session(*args):
+        raise AssertionError("a session asked for again")
+
+    monkeypatch.setattr(sg, "_spark", no_second_session)
+    system = sg.System("ours", tmp_path, tmp_path, 10, spark=_StartedSession)
+    assert system.spark is _StartedSession and _StartedSession.sparkContext.levels == ["ERROR"]
+
+
+def test_ours_recovery_warms_the_workers_up_as_soon_as_its_session_exists(monkeypatch):
+    """As ``SparkResource.start`` does: the workers' warm-up starts in the session's thread
+    once the session is built, not when the runner starts."""
+    import pipelines.warm_up
+
+    events = []
+    monkeypatch.setattr(sg, "_spark", lambda app, deltas: events.append(("built", app))
+                        or _StartedSession)
+    monkeypatch.setattr(pipelines.warm_up, "warm_up_workers",
+                        lambda session: events.append(("warm-up", session)))
+    start = sg._SessionStart("state_growth-ours", 10)
+    start.start()
+    start.join(30)
+    assert events == [("built", "state_growth-ours"), ("warm-up", _StartedSession)]
+    assert start.session is _StartedSession and "session_built" in start.stamps

@@ -331,16 +331,18 @@ def _in_store_order(layout: KeyedStateLayout, held: list[pa.Table],
         return table, hashes
     order = group_hash_order(groups, hashes)
     del groups
-    schema, columns = table.schema, table.columns
+    schema, columns, large = table.schema, table.columns, table.num_rows > _SLICE_ROWS
     del table
     indices, taken = pa.array(order), []
     for i in range(len(columns)):
         column, columns[i] = columns[i], None
         taken.append(column.take(indices).combine_chunks())
         del column
-        # Arrow's allocator (mimalloc) kept each freed column's chunks beside the next
-        # column's copy: +230 MiB a worker over the sort of 2M rows; a release is ~1 ms
-        pa.default_memory_pool().release_unused()
+        if large:
+            # Arrow's allocator (mimalloc) kept each freed column's chunks beside the next
+            # column's copy: +230 MiB a worker over the sort of 2M rows. A small sort skips
+            # it: its pages would be faulted in afresh by the task's next allocations.
+            pa.default_memory_pool().release_unused()
     return pa.Table.from_arrays(taken, schema=schema), hashes[order]
 
 

@@ -50,6 +50,7 @@ from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
     hash_keys,
+    in_group_hash_order,
     last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
@@ -292,15 +293,23 @@ def _write(factory: CheckpointStreamFactory, schema: pa.Schema,
 
 def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout,
                       key_groups: KeyGroupRange, upserts: pa.Table, deletes: pa.Table,
-                      name_prefix: str = "") -> StreamStateHandle:
+                      name_prefix: str = "", *,
+                      upsert_hashes: np.ndarray | None = None) -> StreamStateHandle:
     """Write one batch's ``upserts`` (stored rows) and ``deletes`` (key columns) of one key
-    group range as a SHARED-scope change file; returns its handle (inline when small)."""
+    group range as a SHARED-scope change file; returns its handle (inline when small).
+    ``upsert_hashes``: the upserts' key hashes (``hash_keys``) when the caller has them (a
+    batch's task: not computed again)."""
     upserts = layout.conform(upserts, "change file upserts")
     deletes = layout.conform_keys(deletes, "change file deletes")
     schema = _file_schema(layout, _CHANGE, key_groups)
     parts, hashes, key_groups_of_rows = [], [], []
-    for rows, deleted in ((upserts, False), (deletes, True)):
-        hashes.append(hash_keys(rows, layout.key))
+    for rows, deleted, known in ((upserts, False, upsert_hashes), (deletes, True, None)):
+        if known is None:
+            known = hash_keys(rows, layout.key)
+        elif len(known) != rows.num_rows:
+            raise ValueError(f"change file of key groups {key_groups}: {len(known)} key hashes "
+                             f"for {rows.num_rows} upserts")
+        hashes.append(known)
         groups = (hashes[-1] % np.uint64(layout.max_parallelism)).astype(np.int16)
         key_groups_of_rows.append(groups)
         outside = (groups < key_groups.start) | (groups > key_groups.end)
@@ -313,12 +322,44 @@ def write_change_file(factory: CheckpointStreamFactory, layout: KeyedStateLayout
         columns[KEY_GROUP] = pa.array(groups, pa.int16())
         columns[DELETED] = pa.repeat(deleted, rows.num_rows)
         parts.append(pa.table(columns, schema=schema))
+    del upserts, deletes
     # sorted by key group (readers of part of the range skip row groups, and the key group
     # column compresses to almost nothing), then by key hash: a full snapshot's order, so
     # a first load is a store's segment as it is read
-    order = group_hash_order(np.concatenate(key_groups_of_rows), np.concatenate(hashes))
-    table = pa.concat_tables(parts).take(pa.array(order))
-    return _write(factory, schema, [table], name_prefix)
+    return _write(factory, schema, _row_groups_in_order(
+        parts, np.concatenate(key_groups_of_rows), np.concatenate(hashes)), name_prefix)
+
+
+def _row_groups_in_order(parts: list[pa.Table], groups: np.ndarray,
+                         hashes: np.ndarray) -> Iterator[pa.Table]:
+    """The rows of ``parts`` (their key ``groups`` and ``hashes``, concatenated) in (key group,
+    hash) order, a row group at a time: the file a sorted copy of them wrote, without that
+    copy (a range's first batch of 2M keys at 4M: +110 MiB a worker, beside the upserts).
+    Rows already in order (a batch's task sorts its upserts once: ``_executor``) are sliced
+    as they are; others are taken a row group at a time from each part."""
+    if in_group_hash_order(groups, hashes):
+        table = pa.concat_tables(parts)
+        for start in range(0, table.num_rows, _ROW_GROUP_ROWS):
+            yield table.slice(start, _ROW_GROUP_ROWS)
+        return
+    order = group_hash_order(groups, hashes)
+    del groups, hashes
+    # a take of one chunk: no concatenation of the chunks at every row group
+    parts = [part.combine_chunks() for part in parts if part.num_rows]
+    bounds = np.cumsum([0, *(part.num_rows for part in parts)])
+    for start in range(0, len(order), _ROW_GROUP_ROWS):
+        window = order[start:start + _ROW_GROUP_ROWS]
+        if len(parts) == 1:
+            yield parts[0].take(pa.array(window))
+            continue
+        source = np.searchsorted(bounds, window, side="right") - 1
+        # each part's rows of the window, then the window's order over them
+        places = np.argsort(source, kind="stable")
+        pieces = [part.take(pa.array(window[places[source[places] == i]] - bounds[i]))
+                  for i, part in enumerate(parts)]
+        rank = np.empty(len(window), np.int64)
+        rank[places] = np.arange(len(window))
+        yield pa.concat_tables(pieces).take(pa.array(rank))
 
 
 def write_full_snapshot(factory: CheckpointStreamFactory, layout: KeyedStateLayout,

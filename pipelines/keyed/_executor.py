@@ -25,7 +25,9 @@ from pipelines.keyed._chain import (
 )
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
+    group_hash_order,
     hash_keys,
+    in_group_hash_order,
 )
 from pipelines.keyed._layout import KeyedStateLayout, concat_as
 from pipelines.keyed._local_stores import (
@@ -230,10 +232,11 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
     sliced = input_rows > _SLICE_ROWS
     with _locked_store(task, key_groups, directory, stats) as store:
         outputs, parts = [], []
-        # the slices hold the input's last reference: it goes with the last one, before the
-        # change file and the store's merge
-        slices = _key_slices(stage, table)
+        # the slices hold the input's last reference: it goes as they are cut, before the
+        # stage runs on them
+        held = [table]
         del table
+        slices = _key_slices(stage, held)
         for part in slices:
             stored = store.get(part.select(list(stage.key)), cutoff=cutoff)
             result = stage.run(part, stored.drop_columns(hidden), now=task.now)
@@ -269,8 +272,14 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
                 changes = merge_changes(stage, changes,
                                         merge_changes(stage, (rest, by_timer[1][:0]), by_timer))
         upserts, deletes = changes
+        del changes
         if not input_rows and not upserts.num_rows and not deletes.num_rows:
             return None  # nothing fired: the range's chain stays as it is
+        held = [upserts]
+        del upserts
+        upserts, upsert_hashes = _in_store_order(layout, held, f"keyed stage {stage.name}")
+        if sliced:  # the unsorted upserts
+            release_arrow_memory()
         (chain,) = task.sources(key_groups)
         access = _change_file_storage(task.storage, chain).create_checkpoint_storage(
             task.job_id)
@@ -285,11 +294,13 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
         factory = access.resolve_checkpoint_storage_location(task.checkpoint_id,
                                                              task.reference)
         change = write_change_file(factory, layout, key_groups, upserts, deletes,
-                                   _file_prefix(task, key_groups, "b", attempt))
-        if sliced:  # the change file's sorted copy and encoding, before the store's merge
+                                   _file_prefix(task, key_groups, "b", attempt),
+                                   upsert_hashes=upsert_hashes)
+        if sliced:  # the change file's encoding, before the store's merge
             release_arrow_memory()
-        store.apply(upserts, deletes,
-                    version=chain_version(key_groups, [chain.appended(change)]))
+        store.apply(upserts, deletes, version=chain_version(key_groups, [chain.appended(change)]),
+                    upsert_hashes=upsert_hashes)
+        del upsert_hashes
         stats["state_rows"] = store.num_rows
         # at this batch's cutoff, while the store is open: one vectorised comparison
         stats["expired_rows"] = 0 if cutoff is None else store.expired_rows(cutoff)
@@ -305,25 +316,72 @@ def _run_range(task: KeyedStageTask, group_key: tuple,
     return handle, output
 
 
-def _key_slices(stage, table: pa.Table) -> Iterator[pa.Table]:
-    """``table`` (a range's input rows) in slices of its keys, each key's rows in one slice,
-    about ``_SLICE_ROWS`` rows each (one slice, ``table`` itself, up to that): what the stage
-    runs on at once. A range's first batch holds all its keys (500,000 at 1M keys and two
-    ranges); run at once, the stage's working memory (its grouping, joins and results, 3.7x
-    the input for the click events' aggregate) came on top of the input and was the workers'
-    peak. Keys are independent in a keyed stage, as they are across ranges, so a slice is a
-    smaller range; a steady batch (5,000 keys a range at 1M) is one slice."""
+def _in_store_order(layout: KeyedStateLayout, held: list[pa.Table],
+                    where: str) -> tuple[pa.Table, np.ndarray]:
+    """The upserts ``held`` holds (taken out of it), in (key group, key hash) order, and their
+    key hashes: sorted once here, the change file is written from them as they are and an
+    empty store's merge makes them its segment as they are (each sorted a copy of them: a
+    range's first batch of 2M keys at 4M, +110 MiB a worker at each), and neither hashes
+    them again. Taken a column at a time, each unsorted column let go once taken: one
+    column's copy beside the rows, not the whole table's."""
+    table = layout.conform(held.pop(), f"{where}: upserts")
+    hashes = hash_keys(table, layout.key)
+    groups = hashes % np.uint64(layout.max_parallelism)
+    if in_group_hash_order(groups, hashes):
+        return table, hashes
+    order = group_hash_order(groups, hashes)
+    del groups
+    schema, columns, large = table.schema, table.columns, table.num_rows > _SLICE_ROWS
+    del table
+    indices, taken = pa.array(order), []
+    for i in range(len(columns)):
+        column, columns[i] = columns[i], None
+        taken.append(column.take(indices).combine_chunks())
+        del column
+        if large:
+            # Arrow's allocator (mimalloc) kept each freed column's chunks beside the next
+            # column's copy: +230 MiB a worker over the sort of 2M rows. A small sort skips
+            # it: its pages would be faulted in afresh by the task's next allocations.
+            pa.default_memory_pool().release_unused()
+    return pa.Table.from_arrays(taken, schema=schema), hashes[order]
+
+
+def _key_slices(stage, held: list[pa.Table]) -> Iterator[pa.Table]:
+    """The table ``held`` holds (a range's input rows; taken out of it) in slices of its
+    keys, each key's rows in one slice, about ``_SLICE_ROWS`` rows each (one slice, the table
+    itself, up to that): what the stage runs on at once. A range's first batch holds all its
+    keys (500,000 at 1M keys and two ranges); run at once, the stage's working memory (its
+    grouping, joins and results, 3.7x the input for the click events' aggregate) came on top
+    of the input and was the workers' peak. Keys are independent in a keyed stage, as they
+    are across ranges, so a slice is a smaller range; a steady batch (5,000 keys a range at
+    1M) is one slice. The input is cut into its slices one record batch at a time, each let
+    go once cut (Spark's worker reads each into a buffer of its own), so the input is not
+    held while the stage runs beside the upserts and output it makes (a range's first batch
+    of 2M keys at 4M: the input's 170 MiB, a worker's peak)."""
+    table = held.pop()
     slices = -(-table.num_rows // _SLICE_ROWS)
     if slices <= 1:
         if table.num_rows:
             yield table
         return
-    # the key hash's high bits: its low bits are the key group, which the range fixes
-    of_row = (hash_keys(stage.cast_keys(table), stage.key) >> np.uint64(32)) % np.uint64(slices)
+    schema, batches = table.schema, table.to_batches()
+    del table
+    pieces: list[list[pa.RecordBatch] | None] = [[] for _ in range(slices)]
+    while batches:
+        batch = batches.pop()
+        # the key hash's high bits: its low bits are the key group, which the range fixes
+        of_row = (hash_keys(stage.cast_keys(pa.Table.from_batches([batch])), stage.key)
+                  >> np.uint64(32)) % np.uint64(slices)
+        for i in range(slices):
+            pieces[i].append(batch.filter(pa.array(of_row == i)))
+        del batch
     for i in range(slices):
-        part = table.filter(pa.array(of_row == i))
+        # the batches' order as they came: a key's rows in input order
+        part = pa.Table.from_batches(pieces[i][::-1], schema).combine_chunks()
+        pieces[i] = None
         if part.num_rows:
             yield part
+        del part
 
 
 def _payload_batches(row_kind: str, operator_index: int, attempt: int,

@@ -28,6 +28,7 @@ at every open: ``_store_verification`` (its docstring says how and what it saves
 """
 
 import base64
+import ctypes
 import json
 import os
 import uuid
@@ -40,7 +41,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
-from pipelines.keyed._key_groups import KeyGroupRange, group_hash_order, hash_keys, last_per_key
+from pipelines.keyed._key_groups import (
+    KeyGroupRange,
+    group_hash_order,
+    hash_keys,
+    in_group_hash_order,
+    last_per_key,
+)
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 from pipelines.keyed._store_base import KeyedStateStore
 from pipelines.keyed._store_directory import (
@@ -73,6 +80,20 @@ _DELETED = "_deleted"
 # cannot be verified, so it is rebuilt
 _STORE_FORMAT = "arrow-keyed-store-v3"
 _IN_SEGMENT, _ABSENT = -1, -2
+
+
+def _madvise() -> "ctypes._CFuncPtr | None":
+    """The C library's ``madvise`` (None where there is none to call: nothing is dropped)."""
+    try:
+        function = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+
+_MADVISE = _madvise()
+_MADV_DONTNEED = 4  # Linux's value; elsewhere the call fails and changes nothing
 
 
 class ArrowKeyedStateStore(KeyedStateStore):
@@ -110,6 +131,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._hashes = np.zeros(0, np.uint64)
         self._offsets = np.zeros(len(key_groups) + 1, np.int64)
         self._runs: list[_Run] = []
+        # file name -> (its memory map, the map's address and size): the pages a lookup
+        # touched are handed back after it (``_drop_mapped_pages``)
+        self._maps: dict[str, tuple[pa.MemoryMappedFile, int, int]] = {}
         # the last ``get``'s keys and where it found them, until the next write (``_recalled``)
         self._looked_up: tuple[pa.Table, np.ndarray, np.ndarray, np.ndarray] | None = None
         manifest = self.directory / _MANIFEST
@@ -275,8 +299,29 @@ class ArrowKeyedStateStore(KeyedStateStore):
         _VERIFIED.add(_signature(path, stat, sink.checksum))  # known good: just written
         return name
 
-    def _map_segment(self, name: str, offsets: np.ndarray) -> None:
+    def _mapped(self, name: str) -> pa.MemoryMappedFile:
+        """``name``'s file memory-mapped, the map kept (with its address) while the file is
+        live, so that only a live map's pages are ever dropped."""
         source = pa.memory_map(str(self.directory / name))
+        if source.size():
+            self._maps[name] = (source, source.read_buffer(source.size()).address,
+                                source.size())
+            source.seek(0)
+        return source
+
+    def _drop_mapped_pages(self) -> None:
+        """Hand back the pages of the mapped files a lookup touched (``MADV_DONTNEED``: the
+        file's pages stay in the page cache; a later access maps them again). A steady
+        batch's keys touch pages of the whole segment (its 20,000 keys a range at 4M: +120
+        MiB resident a worker, kept to the task's end); the stage, the change file and the
+        store's write need none of them."""
+        if _MADVISE is None:
+            return
+        for _, address, size in self._maps.values():
+            _MADVISE(ctypes.c_void_p(address), ctypes.c_size_t(size), _MADV_DONTNEED)
+
+    def _map_segment(self, name: str, offsets: np.ndarray) -> None:
+        source = self._mapped(name)
         segment = ipc.open_file(source).read_all()
         if len(offsets) != len(self.key_groups) + 1 or offsets[-1] != segment.num_rows:
             raise LocalStoreError(f"segment {name} does not match the manifest's key group "
@@ -287,7 +332,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def _read_run(self, name: str) -> "_Run":
         # mapped like the segment: opening the store reads no run, a lookup pages in what
         # it touches
-        table = ipc.open_file(pa.memory_map(str(self.directory / name))).read_all()
+        table = ipc.open_file(self._mapped(name)).read_all()
         return _Run(name, table, _numpy(table.column(_HASH)),
                     _numpy(table.column(_DELETED)) if table.num_rows else np.zeros(0, bool))
 
@@ -385,7 +430,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 np.searchsorted(run.hashes, hashes[pending], side="right"), asked())
             source[pending[query]], row[pending[query]] = index, rows
             pending = np.delete(pending, query)
-        if len(pending):
+        if len(pending) and self._segment.num_rows:  # (an empty store: no copy of the keys)
             rows, query = self._find_in_segment(asked(), hashes[pending])
             source[pending[query]], row[pending[query]] = _IN_SEGMENT, rows
         return source, row
@@ -397,6 +442,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
         ``apply`` searches the runs and the segment once per batch, not twice. A key is
         recalled only if exactly one looked-up key has its hash and that key is equal; the
         others are resolved."""
+        if not self._runs and not self._segment.num_rows:
+            # an empty store (a range's first batch): every key absent, without the index
+            # arrays of a recall over all of them (85 bytes a row at a worker's peak)
+            return np.full(len(hashes), _ABSENT, np.int64), np.zeros(len(hashes), np.int64)
         if looked_up is None or not len(hashes):
             return self._resolve(keys, hashes)
         known, known_hashes, known_source, known_row = looked_up
@@ -419,7 +468,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
         if len(recalled) == len(hashes):
             return source, row
         rest = np.setdiff1d(np.arange(len(hashes)), recalled, assume_unique=True)
-        source[rest], row[rest] = self._resolve(keys.take(pa.array(rest)), hashes[rest])
+        # the rest's key columns only: ``keys`` may be a batch's whole changes (a first
+        # batch's 2M rows a range at 4M: a copy of them all, +270 MiB a worker at its peak)
+        source[rest], row[rest] = self._resolve(
+            keys.select(list(self.layout.key)).take(pa.array(rest)), hashes[rest])
         return source, row
 
     def _live(self, source: np.ndarray, row: np.ndarray) -> np.ndarray:
@@ -444,6 +496,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
                            [part.select(self.layout.stored_schema.names) for part in parts])
         if cutoff is not None and self.layout.ttl is not None:
             result = self.layout.ttl.live(result, cutoff)
+        del parts
+        self._drop_mapped_pages()  # the result is a copy (takes): it holds no mapped page
         return result
 
     # --- whole state ------------------------------------------------------------------------
@@ -482,7 +536,9 @@ class ArrowKeyedStateStore(KeyedStateStore):
         # each temporary goes once used: a first batch's merge (every row added) held them
         # all through its take, 65 bytes a row beside the rows' copy
         added_groups = (added_hashes % np.uint64(self.layout.max_parallelism)).astype(np.int64)
-        order = group_hash_order(added_groups, added_hashes)
+        # a batch's task hands its upserts over sorted (``_executor``): not sorted again
+        order = np.arange(len(added_hashes)) if in_group_hash_order(added_groups, added_hashes) \
+            else group_hash_order(added_groups, added_hashes)
         # where each added row goes among the kept segment rows (all in (group, hash) order):
         # its place in the segment less the replaced rows before it (no pass over the segment)
         bounds = self._segment_bounds(added_hashes[order], "left")
@@ -506,7 +562,14 @@ class ArrowKeyedStateStore(KeyedStateStore):
         index[slots] = self._segment.num_rows + np.flatnonzero(added)[order]
         del slots, order, added
         table = concat_as(self._segment_schema,
-                          [self._segment, changes.select(self._segment_schema.names)])
+                          [t for t in (self._segment, changes.select(self._segment_schema.names))
+                           if t.num_rows] or [self._segment])
+        if total and total == table.num_rows and index[0] == 0 and index[-1] == total - 1 and bool(
+                (np.diff(index) > 0).all()):
+            # the rows in order as they are (an empty store's first batch, its upserts sorted
+            # by the task): no take, no copy beside them (+1x the rows at a worker's peak)
+            return pa.Table.from_arrays([_one_chunk(c) for c in table.columns],
+                                        schema=self._segment_schema), offsets
         # a take across chunks is 3x slower than of one: each column is made one first,
         # column by column, so that one column's copy is held beside the result, not the
         # whole table's (the merge was a worker's peak in a range's first batch)
@@ -545,7 +608,10 @@ class ArrowKeyedStateStore(KeyedStateStore):
                              f"{int(groups[outside][0])}; route rows by key group first")
         return table.append_column(_HASH, pa.array(hashes, pa.uint64()))
 
-    def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None) -> None:
+    def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None,
+              upsert_hashes: np.ndarray | None = None) -> None:
+        """``apply``; ``upsert_hashes``: the upserts' key hashes (``hash_keys``) when the
+        caller has them (a batch's task: not computed again)."""
         looked_up, self._looked_up = self._looked_up, None  # what it found changes now
         upserts = self.layout.conform(upserts, f"local store {self.directory}: upserts")
         deletes = self.layout.conform_keys(deletes, f"local store {self.directory}: deletes")
@@ -553,7 +619,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
             self._version = version
             self._write_manifest()
             return
-        upserts = self._with_hashes(upserts, "upserts")
+        upserts = self._with_hashes(upserts, "upserts", upsert_hashes)
+        del upsert_hashes
         deleted = self._with_hashes(deletes, "deletes")
         tombstones = pa.table(
             {name: deleted.column(name) if name in deleted.column_names
@@ -653,6 +720,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
     def _remove_unnamed(self) -> None:
         """Delete the store files the manifest no longer names (replaced segments, runs)."""
         live = {self._segment_file, *(run.name for run in self._runs)}
+        self._maps = {name: mapped for name, mapped in self._maps.items() if name in live}
         for entry in self.directory.iterdir():
             if entry.name.startswith(("segment-", "run-")) and entry.name not in live:
                 entry.unlink(missing_ok=True)
@@ -719,6 +787,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         self._segment = self._segment_schema.empty_table()  # releases the memory map
         self._hashes = np.zeros(0, np.uint64)
         self._runs = []
+        self._maps = {}
         self._looked_up = None
         self._signatures = {}  # a closed store is never ``unchanged``
 
@@ -735,6 +804,12 @@ class _Run:
     table: pa.Table
     hashes: np.ndarray
     deleted: np.ndarray
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    """``column`` as one array: its one non-empty chunk as it is, else the chunks joined."""
+    chunks = [chunk for chunk in column.chunks if len(chunk)]
+    return chunks[0] if len(chunks) == 1 else column.combine_chunks()
 
 
 def _numpy(column: pa.ChunkedArray) -> np.ndarray:

@@ -13,7 +13,9 @@
    batches, checkpoint write, ``_metadata``, the rest of the Dagster run (setup, events,
    the sink), and what follows the run (the state report, exit). It also counts the files
    of the day's last checkpoint (what its ``_metadata`` references; inline states apart)
-   and the files on disk under the checkpoint directory.
+   and the files on disk under the checkpoint directory, and the CPU time of each child's
+   process tree (itself, the JVM, the Python workers) at its last line, which a loaded
+   machine changes far less than the wall clock.
 2. A small batch: in one process and one SparkSession, our runner with the example's two
    keyed stages (``KEYED_STAGES``, a checkpoint per batch) and a Spark Structured Streaming
    query with the same two steps (dedupe within the watermark, then the per-user
@@ -54,6 +56,31 @@ BATCH_TARGET = 1.5
 
 
 # --- children ------------------------------------------------------------------------------
+
+
+def tree_cpu() -> float:
+    """CPU seconds (user + system) of this process and every process below it (the JVM, the
+    Python workers), those that ended and were waited for included (/proc): what a loaded
+    machine does not change, unlike the wall clock."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[tuple[int, list[str]]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append((int(entry), fields))
+    stat = Path(f"/proc/{os.getpid()}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    total = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    pending = [os.getpid()]
+    while pending:
+        for pid, fields in children.get(pending.pop(), []):
+            total += sum(int(f) for f in fields[11:15])
+            pending.append(pid)
+    return total / ticks
 
 
 class Stamps:
@@ -131,7 +158,8 @@ def child_cold(args) -> None:
     status = pipelines.main.main(["--days", "1"], own_process=True)
     ended = time.time()
     print("RESULT " + json.dumps({"status": status, "imported": imported, "ended": ended,
-                                  "stamps": stamps.seconds}), flush=True)  # fmt: skip
+                                  "stamps": stamps.seconds, "cpu": tree_cpu()}),
+          flush=True)  # fmt: skip
     pipelines.main.settle_heap()  # and exit as main's process does (its exit is measured)
     sys.exit(status)
 
@@ -149,8 +177,8 @@ def child_floor(args) -> None:
     session = time.time()
     spark.read.parquet(args.input).write.mode("overwrite").parquet(args.output)
     ended = time.time()
-    print("RESULT " + json.dumps({"imported": imported, "session": session, "ended": ended}),
-          flush=True)  # fmt: skip
+    print("RESULT " + json.dumps({"imported": imported, "session": session, "ended": ended,
+                                  "cpu": tree_cpu()}), flush=True)  # fmt: skip
 
 
 def child_small_batch(args) -> None:
@@ -321,7 +349,7 @@ def floor_run(base: Path, i: int, source: Path) -> dict:
     return {"wall": ended - started, "process start and imports": result["imported"] - started,
             "SparkSession": result["session"] - result["imported"],
             "read and write": result["ended"] - result["session"],
-            "exit": ended - result["ended"]}  # fmt: skip
+            "exit": ended - result["ended"], "cpu": result["cpu"]}  # fmt: skip
 
 
 def floor_input(base: Path) -> Path:
@@ -349,8 +377,11 @@ def split_line(cold: list[dict], floor: list[dict]) -> str:
     floor_parts = [f"{k} {statistics.median(f[k] for f in floor):.2f}"
                    for k in ("process start and imports", "SparkSession", "read and write",
                              "exit")]
+    cpu = (f"  CPU (user + system) of the process tree at its last line, median s: cold run "
+           f"{statistics.median(c['cpu'] for c in cold):.2f}, floor "
+           f"{statistics.median(f['cpu'] for f in floor):.2f}")
     return ("  cold run split, median s: " + ", ".join(parts)
-            + "\n  floor split, median s: " + ", ".join(floor_parts))
+            + "\n  floor split, median s: " + ", ".join(floor_parts) + "\n" + cpu)
 
 
 def main(argv=None) -> None:

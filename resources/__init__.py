@@ -10,6 +10,7 @@ __all__ = [
     "DEFAULT_SPARK_CONF",
     "CheckpointStorageResource",
     "SparkResource",
+    "add_session_python_path",
     "build_spark_session",
     "on_session_created",
 ]
@@ -18,6 +19,7 @@ _MODULES = {
     "DEFAULT_SPARK_CONF": "resources.spark",
     "CheckpointStorageResource": "resources.checkpoint_storage",
     "SparkResource": "resources.spark",
+    "add_session_python_path": "resources._session",
     "build_spark_session": "resources.spark",
     "on_session_created": "resources._session",
 }

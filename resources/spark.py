@@ -11,7 +11,7 @@ from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
 from pipelines.warm_up import warm_up_workers
-from resources._session import SESSION_SETUPS
+from resources._session import SESSION_PYTHON_PATHS, SESSION_SETUPS
 
 __all__ = ["DEFAULT_SPARK_CONF", "SparkResource", "build_spark_session"]
 
@@ -82,6 +82,11 @@ def build_spark_session(
     settings = session_settings(master, conf)
     # Local-mode workers are forked from this process and read the environment variable.
     os.environ.setdefault("PYSPARK_PYTHON", settings["spark.pyspark.python"])
+    # The JVM takes this process's environment when it starts (the first session's build).
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    missing = [p for p in SESSION_PYTHON_PATHS if p not in paths]
+    if missing:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *missing])
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, str(value))

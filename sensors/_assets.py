@@ -99,13 +99,27 @@ def runner_for(
     pipeline: StatefulPipeline,
     spark: SparkResource,
     checkpoint_storage: CheckpointStorageResource,
+    *,
+    session_when_used: bool = False,
     **options,
 ) -> StatefulRunner:
     """The pipeline's runner, from resources (which stay here on the driver: only the plain
-    storage object they hand out reaches the executors)."""
-    return StatefulRunner(
-        spark.session, checkpoint_storage.checkpoint_storage(), pipeline, **options
-    )
+    storage object they hand out reaches the executors). ``session_when_used``: the Spark
+    session is asked of the resource (started) only when the runner first uses it."""
+    session = _SessionWhenUsed(spark) if session_when_used else spark.session
+    return StatefulRunner(session, checkpoint_storage.checkpoint_storage(), pipeline, **options)
+
+
+class _SessionWhenUsed:
+    """A ``SparkResource``'s session, asked for at the first use of one of its attributes.
+    The integrity check run alone replays a small state in the driver and needs no session;
+    a session's start (the JVM's, 4-6 s) was most of that run (docs/benchmarks.md)."""
+
+    def __init__(self, resource: SparkResource) -> None:
+        self._resource = resource
+
+    def __getattr__(self, name: str):
+        return getattr(self._resource.session, name)
 
 
 def pool_for(pipeline: StatefulPipeline) -> str:
@@ -282,7 +296,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
         checked = bool(context.selected_asset_check_keys)
         if not context.selected_asset_keys:  # the check alone (``<name>_integrity_job``)
             result = integrity_check_result(
-                pipeline, runner_for(pipeline, spark, checkpoint_storage)
+                pipeline, runner_for(pipeline, spark, checkpoint_storage, session_when_used=True)
             )
             # Logged as an evaluation, not yielded: a yielded result looks up its target
             # materialization through the state's dependency on its previous partition,

@@ -77,7 +77,7 @@ PUBLIC = {
     },
     "resources": {
         "DEFAULT_SPARK_CONF", "CheckpointStorageResource", "SparkResource", "build_spark_session",
-        "on_session_created",
+        "add_session_python_path", "on_session_created",
     },
     "sensors": {
         # a pipeline's definitions, from Python or from defs.yaml

@@ -22,7 +22,7 @@ from pipelines.definitions import defs
 from pipelines.examples import page_views
 from pipelines.examples.click_events import NAME
 from pipelines.main import next_partitions
-from resources import CheckpointStorageResource
+from resources import CheckpointStorageResource, SparkResource
 from tests.pipelines.support import click_defs, click_pipeline, materialize_range, resources_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,6 +150,35 @@ def test_daily_report_materialized_per_partition(materialized):
     expected = [f"{tmp_path / 'reports'}/report_date=2026-10-0{d}" for d in (1, 2)]
     assert expected == paths
     assert all(Path(p).is_dir() for p in paths)
+
+
+_SESSIONS_ASKED: list[str] = []
+
+
+class _SessionAskedSpark(SparkResource):
+    """A real ``SparkResource`` that notes each time its session is asked for."""
+
+    @property
+    def session(self):
+        _SESSIONS_ASKED.append(self.master)
+        return super().session
+
+
+def test_the_check_alone_of_a_small_state_asks_for_no_spark_session(materialized):
+    """``<name>_integrity_job`` on a small state (replayed in the driver) never asks the
+    resource for a session, so that its run starts no JVM; the verdict and the restored rows
+    are those of the check with Spark's session in hand."""
+    instance, resources, _, tmp_path = materialized
+    with_session = run_check(instance, resources, tmp_path)
+    _SESSIONS_ASKED.clear()
+    evaluation = run_check(
+        instance, resources | {"spark": _SessionAskedSpark(master="local[2]")}, tmp_path)
+    assert [] == _SESSIONS_ASKED
+    assert evaluation.passed and with_session.passed
+    meta = {k: v.value for k, v in evaluation.metadata.items()}
+    assert meta == {k: v.value for k, v in with_session.metadata.items()}
+    assert meta["verified"] == "the whole checkpoint (the check runs alone)"
+    assert {"restored_rows_user_activity", "restored_rows_dedupe"} <= set(meta)
 
 
 def test_checkpoint_integrity_passes_then_fails_on_corruption(materialized):

@@ -292,11 +292,11 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
     context = spark.sparkContext
     token = new_token()
     set_task(context, task, token)
-    # One Spark task per range: repartition(n, column) is never coalesced by adaptive
-    # execution, and each range's route hashes to its own partition.
     watermark = task.stage.watermark
     # The late rows are an output too: their pass is kept for them.
     output = output or (watermark is not None and bool(watermark.late_rows))
+    # One Spark task per range: repartition(n, column) is never coalesced by adaptive
+    # execution, and each range's route hashes to its own partition.
     try:
         with _one_job_per_pass(spark, persisted=output):
             # the persisted plan is made here, so the later reads of the output use it too
@@ -308,7 +308,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
             # Kept only for an output that something reads: persisting plans the pass once
             # more (Spark's cache manager), writes its every output row to local disk and
             # builds it one row per cached batch, all for nothing when no one reads it
-            # (docs/benchmarks.md, "cold_run: a keyed batch's pass kept only for its readers").
+            # (docs/design.md, 7.23).
             if output:
                 cached = _persist_on_disk(cached)
             try:

@@ -138,9 +138,10 @@ class StageKind(ABC):
 
     @abstractmethod
     def apply(self, input: DataFrame, state, pending: PendingLocation,
-              batch: int) -> tuple[object, StageBatch]:
+              batch: int, *, output: bool = True) -> tuple[object, StageBatch]:
         """Apply batch number ``batch`` (``input``) to ``state``, input first as a stage's own
-        ``apply``: the new state and the batch's result."""
+        ``apply``: the new state and the batch's result. ``output=False``: nothing reads the
+        batch's output (no later stage, no sink), which a kind may then leave unkept."""
 
     @abstractmethod
     def snapshot(self, state, checkpoint_id: int, location: CheckpointStorageLocation, *,
@@ -247,17 +248,18 @@ class DataFrameStageKind(StageKind):
         return state.localCheckpoint(eager=True)
 
     def apply(self, input: DataFrame, state: DataFrame, pending: PendingLocation,
-              batch: int) -> tuple[DataFrame, StageBatch]:
-        new_state, output = self.stage.apply(input, state)
+              batch: int, *, output: bool = True) -> tuple[DataFrame, StageBatch]:
+        # ``output`` does not apply: the output is computed to count its rows anyway.
+        new_state, rows_out = self.stage.apply(input, state)
         # Before any Spark job: a state unlike its schema never reaches a checkpoint.
         _check_state_schema(self.stage, new_state)
         # Compute once (checkpointed) and cut the lineage, so that state does not grow a plan of
         # every batch ever applied; the checkpoint then writes from these blocks.
-        output = output.localCheckpoint(eager=True)
-        rows = output.count()
+        rows_out = rows_out.localCheckpoint(eager=True)
+        rows = rows_out.count()
         new_state = new_state.localCheckpoint(eager=True)
         state.unpersist()
-        return new_state, StageBatch(output, rows)
+        return new_state, StageBatch(rows_out, rows)
 
     def snapshot(self, state: DataFrame, checkpoint_id: int,
                  location: CheckpointStorageLocation, *, savepoint: bool) -> StageSnapshot:
@@ -334,11 +336,12 @@ class KeyedStageKind(StageKind):
         return state, _rebuild_notes(self.stage.name, results)
 
     def apply(self, input: DataFrame, state: KeyedStageState, pending: PendingLocation,
-              batch: int) -> tuple[KeyedStageState, StageBatch]:
+              batch: int, *, output: bool = True) -> tuple[KeyedStageState, StageBatch]:
         checkpoint_id, location = pending()
         state, result = self.driver.apply(state, input, checkpoint_id,
-                                          location.location_reference, batch)
-        # Read from the batch's persisted pass by each consumer, released by the runner.
+                                          location.location_reference, batch, output=output)
+        # Read from the batch's persisted pass by each consumer, released by the runner (not
+        # persisted when nothing reads it: ``output``).
         notes = _rebuild_notes(self.stage.name, result.ranges)
         late_output = self.stage.watermark.late_rows if self.stage.watermark else None
         if result.late_rows:

@@ -198,6 +198,10 @@ class StatefulRunner(Restoring, CheckpointWriting):
         self._counting_source_reader = (
             readers[0] if len(readers) == 1
             and self._kinds[self.stages[readers[0]].name].counts_its_input else None)
+        # The stages whose batch output something reads (a later stage, a sink): a keyed
+        # stage's other batches keep no output (their pass is not persisted).
+        self._outputs_read = {pipeline.input_of(n) for n in range(len(self.stages))} | {
+            sink.stage for sink in pipeline.sinks if sink.of == "output"}
         # The next checkpoint's id and location, allocated by the first write into it (keyed
         # stages write change files into it batch by batch).
         self._pending: tuple[int, CheckpointStorageLocation] | None = None
@@ -456,7 +460,7 @@ class StatefulRunner(Restoring, CheckpointWriting):
             try:
                 states[stage.name], result = kind.apply(
                     _frame(outputs, self.pipeline.input_of(number)), states[stage.name],
-                    self._pending_location, index)
+                    self._pending_location, index, output=stage.name in self._outputs_read)
             except Exception as exc:
                 raise self._stage_error(stage.name, partition, batches, index, exc) from exc
             applied.append(result)

@@ -78,10 +78,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class KeyedBatch:
-    """The result of ``apply_keyed_batch``: the ranges' results, the persisted pass they come
-    from (``cached``), the input rows the batch had (late rows included) and their newest
-    event time (a stage with ``event_time``; None: no event time); ``output``, the output rows
-    (in the stage's output schema, read from ``cached``; its plan made when first asked for).
+    """The result of ``apply_keyed_batch``: the ranges' results, the pass they come from
+    (``cached``: persisted, unless the batch was applied without its output), the input rows
+    the batch had (late rows included) and their newest event time (a stage with
+    ``event_time``; None: no event time); ``output``, the output rows (in the stage's output
+    schema, read from ``cached``; its plan made when first asked for).
     Call ``release()`` once the output is consumed: a batch's rows are not read after it."""
 
     ranges: list[KeyedRangeResult]
@@ -97,6 +98,9 @@ class KeyedBatch:
     """The output rows' Arrow schema as Spark hands it back (``_spark_arrow_schema``)."""
     stage: str | None = field(default=None, repr=False)
     """The stage whose batch task (``_task_property``) ``release`` forgets."""
+    kept: bool = field(default=True, repr=False)
+    """Whether ``cached`` is persisted, so that ``output`` can read it (False:
+    ``apply_keyed_batch(..., output=False)``)."""
 
     @property
     def fired_timers(self) -> int:
@@ -110,13 +114,18 @@ class KeyedBatch:
     def output(self) -> DataFrame:
         # Made when asked for: a batch whose output nothing reads (a stage without sinks or
         # later stages) does not pay its plan's py4j round trips.
+        if not self.kept:
+            raise RuntimeError(f"keyed stage {self.stage}: this batch was applied without its "
+                               "output (apply_keyed_batch(..., output=False)); apply it with "
+                               "output=True to read its output rows")
         return map_in_arrow(self.cached.filter(_kind_in(_OUTPUT)).select("payload"),
                             partial(_decode_output, self.output_schema),
                             from_arrow_schema(self.output_schema, prefer_timestamp_ntz=False),
                             ("keyed output", self.output_schema), ["payload"])
 
     def release(self) -> None:
-        self.cached.unpersist()
+        if self.kept:
+            self.cached.unpersist()
         if self.stage is not None:
             clear_task(self.cached.sparkSession.sparkContext, self.stage)
 
@@ -178,16 +187,17 @@ _PASS_SETTINGS = {
 
 
 @contextlib.contextmanager
-def _one_job_per_pass(spark: SparkSession) -> Iterator[None]:
+def _one_job_per_pass(spark: SparkSession, persisted: bool = True) -> Iterator[None]:
     """Plan and run a keyed batch's pass without adaptive execution: with it, the pass is
     three Spark jobs (the routing shuffle's map stage, the persisted ranges, the collect),
     each a scheduling round trip that a small batch pays in full; without it, one job of
     two stages. Adaptive execution has nothing to adapt here: ``repartition(n, column)``
     is never coalesced, and the ranges' tasks have no join or aggregate. Also the persisted
-    pass's batch size (``_PASS_SETTINGS``). The settings are the session's, restored at
-    once; the runner plans one batch at a time."""
-    previous = {key: spark.conf.get(key) for key in _PASS_SETTINGS}
-    for key, value in _PASS_SETTINGS.items():
+    pass's batch size (``_PASS_SETTINGS``; not for a pass that is not ``persisted``). The
+    settings are the session's, restored at once; the runner plans one batch at a time."""
+    settings = _PASS_SETTINGS if persisted else {_ADAPTIVE: _PASS_SETTINGS[_ADAPTIVE]}
+    previous = {key: spark.conf.get(key) for key in settings}
+    for key, value in settings.items():
         spark.conf.set(key, value)
     try:
         yield
@@ -217,11 +227,16 @@ def _persist_on_disk(frame: DataFrame) -> DataFrame:
     return frame
 
 
-def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
+def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
+                      output: bool = True) -> KeyedBatch:
     """Run one batch of a keyed stage: route rows to their range by key group, run the stage
     once per range that has rows (after late rows are dropped; one Spark task per range),
     write each range's change file; returns the output and one ``KeyedRangeResult`` per range
     that ran.
+    ``output=False`` when nothing reads the batch's output (no later stage or sink, no
+    late-rows output): the pass is not persisted, its handle rows are collected straight
+    from it and its output rows are dropped in the ranges' tasks; ``KeyedBatch.output`` then
+    raises. The same one Spark job and the same files and state.
     A stage with ``event_time``: each range's task advances ``task.clock`` by the batch's
     newest event time (the routing tasks send it along with the rows: no Spark job of its
     own), drops rows behind the clock minus the ``ttl`` and, with event-time expiry, expires
@@ -277,28 +292,37 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
     context = spark.sparkContext
     token = new_token()
     set_task(context, task, token)
+    watermark = task.stage.watermark
+    # The late rows are an output too: their pass is kept for them.
+    output = output or (watermark is not None and bool(watermark.late_rows))
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive
     # execution, and each range's route hashes to its own partition.
     try:
-        with _one_job_per_pass(spark):
+        with _one_job_per_pass(spark, persisted=output):
             # the persisted plan is made here, so the later reads of the output use it too
             ranges = with_literal(repartition_by(routed, task.parallelism, _ROUTE),
                                   BATCH_TOKEN, token)
-            cached = _persist_on_disk(map_in_arrow(
+            cached = map_in_arrow(
                 ranges, partial(_run_batch_range, task.stage.name), _RESULT_TYPE,
-                ("keyed ranges", task.stage.name), [*routed_type.names, BATCH_TOKEN]))
+                ("keyed ranges", task.stage.name), [*routed_type.names, BATCH_TOKEN])
+            # Kept only for an output that something reads: persisting plans the pass once
+            # more (Spark's cache manager), writes its every output row to local disk and
+            # builds it one row per cached batch, all for nothing when no one reads it
+            # (docs/design.md, 7.23).
+            if output:
+                cached = _persist_on_disk(cached)
             try:
                 # the handle and summary rows carry no payload: nothing to drop
                 handles = cached.filter(_kind_in(_OUTPUT, _LATE, negated=True)).collect()
                 results, summary = _results(task, handles), _summary(task, handles)
             except BaseException:
-                cached.unpersist()
+                if output:
+                    cached.unpersist()
                 raise
     except BaseException:  # no KeyedBatch to release: later jobs must not carry the task
         clear_task(context, task.stage.name)
         raise
     late = None
-    watermark = task.stage.watermark
     if watermark is not None and watermark.late_rows:
         late_schema = to_arrow_schema(input.schema, timezone="UTC")
         late = map_in_arrow(cached.filter(_kind_in(_LATE)).select("payload"),
@@ -306,7 +330,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask) -> KeyedBatch:
                             ("keyed late rows", input.schema.json()), ["payload"])
     return KeyedBatch(results, cached, *summary, late=late,
                       output_schema=_spark_arrow_schema(task.output_schema),
-                      stage=task.stage.name)
+                      stage=task.stage.name, kept=output)
 
 
 def extend_chains(chains: Sequence[KeyedStateChain],

@@ -307,15 +307,16 @@ class KeyedStageDriver:
         return replace(state, chains=tuple(extend_chains(state.chains, results))), results, missing
 
     def apply(self, state: KeyedStageState, input: DataFrame, checkpoint_id: int,
-              reference: CheckpointStorageLocationReference, batch: int
-              ) -> tuple[KeyedStageState, KeyedBatch]:
+              reference: CheckpointStorageLocationReference, batch: int, *,
+              output: bool = True) -> tuple[KeyedStageState, KeyedBatch]:
         """One batch: run the stage on every range with rows, writing their change files
         into checkpoint ``checkpoint_id``'s shared state. Each range's task first advances
         the event-time clock over the whole batch and drops its rows behind the clock minus
         the ttl. Returns the new state (its clock advanced) and the batch's output and
-        ranges (``release()`` it once its output is consumed)."""
+        ranges (``release()`` it once its output is consumed). ``output=False``: nothing
+        reads the output (``apply_keyed_batch``)."""
         task = self._task(state, checkpoint_id, reference, batch, self._now(state))
-        result = apply_keyed_batch(input, task)
+        result = apply_keyed_batch(input, task, output=output)
         state = replace(state, clock=_newer(state.clock, result.newest),
                         chains=tuple(extend_chains(state.chains, result.ranges)))
         return state, result
@@ -336,7 +337,7 @@ class KeyedStageDriver:
         rows = rows.select(*stage.state_schema.names)
         loader = loader_stage(stage)
         loaded, result = self.apply(replace(state, stage=loader), rows, checkpoint_id,
-                                    reference, 0)
+                                    reference, 0, output=False)
         result.release()
         return replace(loaded, stage=stage)
 

@@ -239,6 +239,21 @@ workers' imports done before it forks them. Structured Streaming's queries here 
 workers, so it changes nothing for them."""
 
 
+def class_archive_options() -> str:
+    """The driver JVM options that map the project's class archive (``""`` without one), read
+    from ``pipelines/class_archive.py`` without importing the ``pipelines`` package, whose
+    imports a baseline's process would otherwise pay."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_class_archive",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipelines",
+                     "class_archive.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.java_options()
+
+
 def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
                     maintenance_interval: str = "2s", no_data_batches: bool = True,
                     driver_java_options: str | None = None, conf: dict | None = None):

@@ -84,6 +84,7 @@ from _common import (  # noqa: E402
     SERIALIZER_RESETS,
     PeakMemory,
     PhasePeak,
+    class_archive_options,
     rocksdb_session,
     tree_cpu_seconds,
 )
@@ -290,10 +291,14 @@ def kind_of(system: str, path: str) -> str:
 
 
 def _spark(app: str, ss_min_deltas: int):
-    # peak RSS measures what each system needs, not how much heap G1 left committed
+    # peak RSS measures what each system needs, not how much heap G1 left committed; both
+    # JVMs map the project's class archive when it exists (pipelines.class_archive: our
+    # sessions' JVMs do; given to SS's too, so that neither system's start is the other's
+    # JVM setting)
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
                            maintenance_interval=SS_MAINTENANCE_INTERVAL,
-                           driver_java_options=G1_RETURNS_IDLE_HEAP,
+                           driver_java_options=(f"{G1_RETURNS_IDLE_HEAP} "
+                                                f"{class_archive_options()}").strip(),
                            conf=LOCAL_SESSION_CONF | SERIALIZER_RESETS)
 
 

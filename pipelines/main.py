@@ -367,11 +367,14 @@ def _follow_interrupt(record: logging.LogRecord) -> bool:
 def _quiet_spark() -> None:
     """Spark's console logging: errors only (its own log4j2 configuration, unless the
     environment already passes submit arguments). ``--driver-java-options`` replaces the
-    sessions' ``spark.driver.extraJavaOptions``, so it carries those too."""
+    sessions' ``spark.driver.extraJavaOptions``, so it carries those too (and the class
+    archive's, ``pipelines.class_archive``)."""
+    from pipelines import class_archive
     from resources import DEFAULT_SPARK_CONF
 
     options = (f"-Dlog4j2.configurationFile={SPARK_LOG_CONFIG.as_uri()} "
-               f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']}")
+               f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} "
+               f"{class_archive.java_options()}").strip()
     os.environ.setdefault(
         "PYSPARK_SUBMIT_ARGS", f"--driver-java-options {shlex.quote(options)} pyspark-shell"
     )

@@ -10,6 +10,7 @@ from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
 from pyspark.sql import SparkSession
 
+from pipelines import class_archive
 from pipelines.warm_up import warm_up_workers
 from resources._session import SESSION_PYTHON_PATHS, SESSION_SETUPS
 
@@ -56,8 +57,15 @@ def session_settings(master: str, conf: dict | None = None) -> dict[str, str]:
     """What ``build_spark_session`` sets: the defaults (and, on a local master, the local
     ones), the driver's interpreter for the Python workers, then ``conf``."""
     local = LOCAL_SPARK_CONF if master.startswith("local") else {}
-    return (DEFAULT_SPARK_CONF | local | {"spark.pyspark.python": sys.executable}
-            | {k: str(v) for k, v in (conf or {}).items()})
+    settings = (DEFAULT_SPARK_CONF | local | {"spark.pyspark.python": sys.executable}
+                | {k: str(v) for k, v in (conf or {}).items()})
+    # The driver JVM's classes from this installation's archive, when it has one (whatever
+    # its other options are): a faster start, nothing else changed (pipelines.class_archive).
+    archive = class_archive.java_options()
+    if archive and "SharedArchiveFile" not in settings["spark.driver.extraJavaOptions"]:
+        settings["spark.driver.extraJavaOptions"] = (
+            f"{settings['spark.driver.extraJavaOptions']} {archive}".strip())
+    return settings
 
 
 def session_exists() -> bool:

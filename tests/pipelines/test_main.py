@@ -285,3 +285,20 @@ def test_the_quiet_spark_console_keeps_the_sessions_java_options(monkeypatch):
     assert [o for o in options if o.startswith("-Dlog4j2.configurationFile=file:")]
     assert set(DEFAULT_SPARK_CONF["spark.driver.extraJavaOptions"].split()) <= set(options)
     assert args[-1] == "pyspark-shell"
+
+
+def test_the_quiet_spark_console_carries_the_class_archive(monkeypatch, tmp_path):
+    """With an archive in place, the main job's submit arguments (which replace the sessions'
+    ``extraJavaOptions``) map it too."""
+    from pipelines import class_archive
+
+    monkeypatch.setenv("PIPELINES_CLASS_ARCHIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "")
+    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
+    path = class_archive.archive_path()
+    path.write_bytes(b"x" * 10)
+    path.with_name(path.name + ".bytes").write_text("10")
+    _quiet_spark()
+    args = shlex.split(os.environ["PYSPARK_SUBMIT_ARGS"])
+    options = args[args.index("--driver-java-options") + 1].split()
+    assert f"-XX:SharedArchiveFile={path}" in options

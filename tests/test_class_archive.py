@@ -65,6 +65,8 @@ def test_the_archive_name_follows_the_java_and_the_environment(archive_dir, monk
     assert class_archive.archive_path() not in (None, before)
 
 
+@pytest.mark.spark
+@pytest.mark.timeout(600)
 def test_a_failed_build_leaves_no_archive_and_names_the_output(archive_dir, monkeypatch):
     """A training that fails (here: its JVM cannot start, an unknown option) raises, saying
     so, and leaves neither an archive nor a partial file a session could map."""
@@ -90,6 +92,7 @@ def _session(env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.spark
 @pytest.mark.timeout(900)
 def test_a_session_maps_the_archive_and_ignores_one_that_does_not_match(archive_dir):
     """The archive built here is mapped by the next session's JVM; an archive that is whole

@@ -308,7 +308,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
             # Kept only for an output that something reads: persisting plans the pass once
             # more (Spark's cache manager), writes its every output row to local disk and
             # builds it one row per cached batch, all for nothing when no one reads it
-            # (docs/design.md, 7.23).
+            # (docs/design.md, 7.26).
             if output:
                 cached = _persist_on_disk(cached)
             try:

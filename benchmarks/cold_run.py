@@ -24,7 +24,10 @@
    ours: the time from one checkpoint's progress line to the next (apply and checkpoint);
    SS: landing the file and ``processAllAvailable``. Median over the timed batches.
 
-Targets: cold run <= 1.5x the floor; small batch <= 1.5x SS's.
+Targets: cold run <= 1.5x the floor; small batch <= 1.5x SS's. The floor is a plain
+session, as a user's own would be; each pair also runs it with the project's class archive
+(``pipelines.class_archive``, when built), printed without a target: how much of the
+difference is the driver JVM's start.
 
     python benchmarks/cold_run.py [--pairs 4] [--days 3] [--quick] [--cold-only]
 
@@ -50,6 +53,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
+
+from _common import class_archive_options  # noqa: E402
 
 COLD_TARGET = 1.5
 BATCH_TARGET = 1.5
@@ -170,8 +175,11 @@ def child_floor(args) -> None:
     from pyspark.sql import SparkSession
 
     imported = time.time()
+    builder = SparkSession.builder
+    if args.class_archive:  # the same floor, its JVM given the project's class archive
+        builder = builder.config("spark.driver.extraJavaOptions", class_archive_options())
     spark = (
-        SparkSession.builder.master("local[2]").appName("cold_run-floor")
+        builder.master("local[2]").appName("cold_run-floor")
         .config("spark.ui.enabled", "false").getOrCreate()
     )  # fmt: skip
     session = time.time()
@@ -342,10 +350,11 @@ def checkpoint_files(root: Path) -> dict:
     return result
 
 
-def floor_run(base: Path, i: int, source: Path) -> dict:
+def floor_run(base: Path, i: int, source: Path, class_archive: bool = False) -> dict:
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     result, started, ended = spawn([sys.executable, __file__, "child-floor", "--input",
-                                    str(source), "--output", str(base / f"floor-{i}")], env=env)
+                                    str(source), "--output", str(base / f"floor-{i}")]
+                                   + (["--class-archive"] if class_archive else []), env=env)
     return {"wall": ended - started, "process start and imports": result["imported"] - started,
             "SparkSession": result["session"] - result["imported"],
             "read and write": result["ended"] - result["session"],
@@ -399,6 +408,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cold-only", action="store_true",
                         help="the cold runs and the floor only, without the small batch")
+    parser.add_argument("--class-archive", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command is not None:
         {"child-cold": child_cold, "child-floor": child_floor,
@@ -418,16 +428,21 @@ def main(argv=None) -> None:
             seed = base / "seed-data"
             cold_run(base, "seed", None)
             shutil.copytree(base / "cold-data", seed)
-        cold, floor = [], []
+        cold, floor, archived = [], [], []
+        archive = bool(class_archive_options())
         for i in range(args.pairs):
-            pair = (("cold", "floor") if i % 2 == 0 else ("floor", "cold"))
+            pair = ("cold", "floor", "archived") if i % 2 == 0 else ("archived", "floor", "cold")
             for name in pair:
                 if name == "cold":
                     cold.append(cold_run(base, i, seed))
-                else:
+                elif name == "floor":
                     floor.append(floor_run(base, i, source))
+                elif archive:
+                    archived.append(floor_run(base, i, source, class_archive=True))
             print(f"  pair {i + 1}: cold run {cold[-1]['wall']:.2f} s, floor "
-                  f"{floor[-1]['wall']:.2f} s; load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"{floor[-1]['wall']:.2f} s"
+                  + (f", floor with the class archive {archived[-1]['wall']:.2f} s"
+                     if archived else "") + f"; load {os.getloadavg()[0]:.1f}", flush=True)
         if any(c["status"] != 0 for c in cold):
             raise SystemExit("cold_run: a cold run failed (pipelines.main returned non-zero)")
         # the second day, after the seed's first: not the first again from an empty state
@@ -444,6 +459,13 @@ def main(argv=None) -> None:
               f"{floor_wall:.2f} s: {ratio:.2f}x (target <= {COLD_TARGET}x): "
               f"{'ok' if ratio <= COLD_TARGET else 'MISSED'}")
         checks.append(ratio <= COLD_TARGET)
+        if archived:  # how much of the difference is the JVM's class archive
+            archived_wall = statistics.median(f["wall"] for f in archived)
+            print(f"  the floor with the project's class archive (pipelines.class_archive; no "
+                  f"target): {archived_wall:.2f} s median: the cold run "
+                  f"{cold_wall / archived_wall:.2f}x it")
+        else:
+            print("  (no class archive: scripts/setup-env builds it; the cold run ran without)")
         print(split_line(cold, floor))
         files = cold[-1]["files"]
         print(f"  the day's last checkpoint: {files.get('referenced', '?')} files referenced "

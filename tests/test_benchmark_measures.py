@@ -309,3 +309,20 @@ def test_ours_recovery_warms_the_workers_up_as_soon_as_its_session_exists(monkey
     start.join(30)
     assert events == [("built", "state_growth-ours"), ("warm-up", _StartedSession)]
     assert start.session is _StartedSession and "session_built" in start.stamps
+
+
+def test_the_benchmarks_give_a_jvm_the_projects_class_archive_as_the_product_does(
+        monkeypatch, tmp_path):
+    """The baselines' sessions (state_growth's SS, cold_run's second floor) get the archive's
+    options from the product's own module, read without importing ``pipelines``; none while
+    there is no whole archive."""
+    from _common import class_archive_options
+
+    from pipelines import class_archive
+
+    monkeypatch.setenv("PIPELINES_CLASS_ARCHIVE_DIR", str(tmp_path))
+    assert class_archive_options() == "" == class_archive.java_options()
+    path = class_archive.archive_path()
+    path.write_bytes(b"x" * 8)
+    path.with_name(path.name + ".bytes").write_text("8")
+    assert class_archive_options() == class_archive.java_options() != ""

@@ -365,3 +365,27 @@ def py4j_calls(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(clientserver.ClientServerConnection, "send_command", counted)
     return calls
+
+
+def small_click_events_checkpoint(spark, work: Path, day: str) -> str:
+    """The pointer of a checkpoint of one small day of click events (one batch of 50 events
+    over 5 users), run under ``work``."""
+    from pipelines.examples.click_events import generate_day
+
+    generate_day(str(work / "landing"), day, batches=1, events_per_batch=50, users=5)
+    pipeline = click_events_pipeline(str(work / "landing"), str(work / "reports"))
+    storage = FileSystemCheckpointStorage(str(work / "checkpoints"))
+    (result,) = StatefulRunner(spark, storage, pipeline).run([day])
+    return result.checkpoint.pointer
+
+
+_POOLS = []  # proxies live as long as the process: a kept-open store may free through one later
+
+
+def counting_pool():
+    """(The default memory pool, a proxy of it made the default) for a peak's measure."""
+    previous = pa.default_memory_pool()
+    proxy = pa.proxy_memory_pool(previous)
+    _POOLS.append(proxy)
+    pa.set_memory_pool(proxy)
+    return previous, proxy

@@ -14,9 +14,8 @@ from pipelines.keyed import ArrowKeyedStateStore, KeyedResult, KeyedStage, write
 from pipelines.keyed._chain import _CHANGE, _file_schema, _write
 from pipelines.keyed._key_groups import group_hash_order, hash_keys
 from pipelines.keyed._layout import KEY_GROUP
-from tests.pipelines.support import ALL, LAYOUT, SCHEMA, T0, Job
+from tests.pipelines.support import ALL, LAYOUT, SCHEMA, T0, Job, counting_pool
 
-_POOLS = []  # proxies live as long as the process: a kept-open store may free through one later
 ROWS = 300_000
 
 
@@ -25,13 +24,6 @@ def job(tmp_path) -> Job:
     return Job(tmp_path)
 
 
-def _counting_pool():
-    """(The default memory pool, a proxy of it made the default) for a peak's measure."""
-    previous = pa.default_memory_pool()
-    proxy = pa.proxy_memory_pool(previous)
-    _POOLS.append(proxy)
-    pa.set_memory_pool(proxy)
-    return previous, proxy
 
 
 def _upserts(rows: int, seed: int = 3, padding: int = 24) -> pa.Table:
@@ -107,7 +99,7 @@ def test_a_change_file_is_written_without_a_sorted_copy_of_its_rows(job, handed_
     if handed_over == "sorted":
         upserts, hashes = _sorted(upserts)
     empty = pa.table({"user": pa.array([], pa.string())})
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         held = proxy.bytes_allocated()
         write_change_file(job.factory, LAYOUT, ALL, upserts, empty, upsert_hashes=hashes)
@@ -133,7 +125,7 @@ def test_an_empty_store_makes_sorted_upserts_its_segment_without_a_copy(tmp_path
     upserts, hashes = _sorted(_upserts(ROWS))
     store = _store(tmp_path)
     store.get(upserts.slice(0, 1000).select(["user"]))
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     tracemalloc.start()
     try:
         held = proxy.bytes_allocated()
@@ -173,14 +165,14 @@ def test_a_range_task_sorts_its_upserts_once_a_column_at_a_time():
         return pa.concat_tables([upserts.slice(start, 20_000).take(np.arange(20_000))
                                  for start in range(0, ROWS, 20_000)])
 
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         handed = [sliced()]
         held = proxy.bytes_allocated()
         whole = handed[0].take(pa.array(np.random.default_rng(4).permutation(ROWS)))
         whole_peak = proxy.max_memory() - held
         del whole, handed
-        _, proxy = _counting_pool()  # frees go to the pool that allocated: slices of its own
+        _, proxy = counting_pool()  # frees go to the pool that allocated: slices of its own
         handed = [sliced()]
         held = proxy.bytes_allocated()
         ordered, hashes = _in_store_order(layout, handed, "keyed stage clicks")
@@ -213,7 +205,7 @@ def test_a_large_input_is_let_go_as_its_slices_are_cut(monkeypatch):
 
     monkeypatch.setattr(_executor, "_SLICE_ROWS", 50_000)
     stage = KeyedStage("clicks", "user", SCHEMA, _count)
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         held = proxy.bytes_allocated()
         table = pa.Table.from_batches(_upserts(ROWS).to_batches(max_chunksize=10_000))

@@ -23,7 +23,12 @@ from pipelines.keyed import (
 )
 from pipelines.keyed._routing import OPERATOR_INDEX
 from pipelines.keyed._task import KeyedStageTask
-from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks, keyed_batch_task
+from tests.pipelines.support import (
+    CLICK_COUNT_STATE,
+    count_clicks,
+    counting_pool,
+    keyed_batch_task,
+)
 
 # Spark's workers cannot import this test module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -178,16 +183,8 @@ def test_a_range_task_holds_its_input_rows_once(tmp_path):
     assert peak < 2.6 * input_bytes, (peak, input_bytes)
 
 
-_POOLS = []  # proxies live as long as the process: a kept-open store may free through one later
 
 
-def _counting_pool():
-    """(The default memory pool, a proxy of it made the default) for a peak's measure."""
-    previous = pa.default_memory_pool()
-    proxy = pa.proxy_memory_pool(previous)
-    _POOLS.append(proxy)
-    pa.set_memory_pool(proxy)
-    return previous, proxy
 
 
 def _one_range_task(tmp_path: Path, stage: KeyedStage) -> KeyedStageTask:
@@ -227,7 +224,7 @@ def test_a_range_first_batch_runs_the_stage_in_slices_of_its_keys(tmp_path):
     the input, on top of it (the workers' peak in a first batch of 500,000 keys a range)."""
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                  count_clicks))
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         routed = _routed_users(task, 200_000)
         held = proxy.bytes_allocated()
@@ -290,7 +287,7 @@ def test_a_store_merge_copies_the_rows_once(tmp_path):
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                 count_clicks))
     store = ArrowKeyedStateStore(tmp_path / "store", task.layout, task.key_groups(0))
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         upserts = pa.table({"user": [f"user_{i:07d}-{'x' * 40}" for i in range(200_000)],
                             "clicks": np.arange(200_000)}, schema=CLICK_COUNT_STATE)
@@ -315,7 +312,7 @@ def test_output_payloads_are_made_one_at_a_time_without_copies():
 
     rows = pa.table({"user": [f"u{i}" for i in range(3 * _OUTPUT_ROWS_PER_PAYLOAD + 5)],
                      "clicks": np.arange(3 * _OUTPUT_ROWS_PER_PAYLOAD + 5)}, schema=OUTPUT)
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         held = proxy.bytes_allocated()
         decoded, peak = [], 0
@@ -348,7 +345,7 @@ def test_a_range_task_does_not_copy_its_input_to_drop_the_routing_summaries(tmp_
 
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                  count_and_measure))
-    previous, proxy = _counting_pool()
+    previous, proxy = counting_pool()
     try:
         routed = _routed_users(task, 100_000)
         held = proxy.bytes_allocated()

@@ -263,11 +263,18 @@ def _chain_of_many_files(job: Job, keys: int, files: int) -> KeyedStateChain:
     chain = KeyedStateChain(ALL, None, (write_change_file(
         job.factory, LAYOUT, ALL, clicks_table({f"user_{i}": i for i in range(keys)}),
         NO_KEYS),))
+    return _with_change_files(job, LAYOUT, chain, keys, files, deleted_from=5)
+
+
+def _with_change_files(job: Job, layout: KeyedStateLayout, chain: KeyedStateChain, keys: int,
+                       files: int, deleted_from: int) -> KeyedStateChain:
+    """``chain`` and ``files`` change files, the n-th upserting every tenth user from user n
+    and deleting every thousandth from user n + ``deleted_from``."""
     for number in range(files):
         chain = chain.appended(write_change_file(
-            job.factory, LAYOUT, ALL,
+            job.factory, layout, chain.key_groups,
             clicks_table({f"user_{i}": number for i in range(number, keys, 10)}),
-            deletes({f"user_{i}" for i in range(number + 5, keys, 1000)})))
+            deletes({f"user_{i}" for i in range(number + deleted_from, keys, 1000)})))
     return chain
 
 
@@ -325,12 +332,7 @@ def _snapshot_and_changes(job: Job, tmp_path: Path, layout: KeyedStateLayout,
         chain = KeyedStateChain(key_groups, write_full_snapshot(
             job.factory, layout, key_groups, store.sorted_batches(max_rows=500)))
         store.destroy()
-    for number in range(files):
-        chain = chain.appended(write_change_file(
-            job.factory, layout, key_groups,
-            clicks_table({f"user_{i}": number for i in range(number, keys, 10)}),
-            deletes({f"user_{i}" for i in range(number + 3, keys, 1000)})))
-    return chain
+    return _with_change_files(job, layout, chain, keys, files, deleted_from=3)
 
 
 WIDE = KeyedStateLayout(("user",), SCHEMA, 64)  # 64 key groups: room for many slices

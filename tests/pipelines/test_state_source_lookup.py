@@ -10,9 +10,7 @@ import textwrap
 
 import pytest
 
-from checkpoint_storage import FileSystemCheckpointStorage
-from pipelines import StatefulRunner
-from pipelines.examples.click_events import click_events_pipeline, generate_day
+from tests.pipelines.support import small_click_events_checkpoint
 
 DAY = "2026-10-01"
 READ = textwrap.dedent("""
@@ -53,12 +51,7 @@ READ = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def pointer(spark, tmp_path_factory) -> str:
-    work = tmp_path_factory.mktemp("state-source-lookup")
-    generate_day(str(work / "landing"), DAY, batches=1, events_per_batch=50, users=5)
-    pipeline = click_events_pipeline(str(work / "landing"), str(work / "reports"))
-    storage = FileSystemCheckpointStorage(str(work / "checkpoints"))
-    (result,) = StatefulRunner(spark, storage, pipeline).run([DAY])
-    return result.checkpoint.pointer
+    return small_click_events_checkpoint(spark, tmp_path_factory.mktemp("state-source-lookup"), DAY)
 
 
 @pytest.mark.timeout(600)

@@ -342,8 +342,6 @@ def _ss_state(spark, checkpoint: Path) -> pa.Table:
 
 
 def _ours_pipeline(landing: Path, names: list[str]):
-    import dagster as dg
-
     from pipelines import FileSource, StatefulPipeline
     from pipelines.examples.click_events import KEYED_STAGES
 
@@ -351,7 +349,7 @@ def _ours_pipeline(landing: Path, names: list[str]):
         name="state_growth_keyed",
         stages=[s for s in KEYED_STAGES if s.name == STAGE],
         source=FileSource(url=str(landing) + "/{partition}", schema=EVENT_SCHEMA),
-        partitions=dg.StaticPartitionsDefinition(names),
+        partitions=names,  # static keys: a restart that imports no Dagster, as SS's
         checkpoint_interval=1,
         max_retained_checkpoints=3,
         max_parallelism=128,

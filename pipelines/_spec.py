@@ -9,6 +9,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pyspark.sql import DataFrame, SparkSession
@@ -98,11 +99,32 @@ def _refuse_state_first(where: str, apply: Callable) -> None:
             f"def {function}({names[1]}, {names[0]}, ...)")
 
 
+def static_partition_keys(partitions) -> tuple[str, ...] | None:
+    """``partitions`` as static keys when they are a sequence of them (a list or a tuple of
+    strings, given instead of a ``dg.StaticPartitionsDefinition``), else None. Unique and
+    non-empty, or a ValueError."""
+    if not isinstance(partitions, (list, tuple)):
+        return None
+    keys = tuple(partitions)
+    if not keys or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError("partitions given as keys must be a non-empty list of non-empty "
+                         f"strings, got {partitions!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"partitions given as keys must be unique, got {partitions!r}")
+    return keys
+
+
 class PartitionOrder:
     """The order of a pipeline's partition keys: which key comes before which. Time windows
-    (hourly, daily, weekly, ...) in time order; static partitions in the declared order."""
+    (hourly, daily, weekly, ...) in time order; static partitions (a Dagster definition or a
+    sequence of keys) in the declared order."""
 
-    def __init__(self, partitions: "dg.PartitionsDefinition") -> None:
+    def __init__(self, partitions: "dg.PartitionsDefinition | Sequence[str]") -> None:
+        keys = static_partition_keys(partitions)
+        if keys is not None:  # no Dagster needed to order them
+            self._static: list[str] | None = list(keys)
+            self.partitions = partitions
+            return
         import dagster as dg
 
         if isinstance(partitions, dg.TimeWindowPartitionsDefinition):
@@ -112,7 +134,7 @@ class PartitionOrder:
         else:
             raise TypeError(
                 "partitions must be time-window partitions (hourly, daily, weekly, monthly, "
-                f"cron) or static partitions, got {type(partitions).__name__}"
+                f"cron), static partitions or a list of keys, got {type(partitions).__name__}"
             )
         self.partitions = partitions
 
@@ -130,6 +152,8 @@ class PartitionOrder:
 
     @property
     def first(self) -> str:
+        if self._static is not None:
+            return self._static[0]
         return self.partitions.get_first_partition_key()
 
     def previous(self, key: str) -> str | None:
@@ -188,6 +212,10 @@ class StatefulPipeline:
     ``retain_partition_ends`` = K, the checkpoint at the end of each of the last K
     partitions up to the head (time travel: restore or backfill from any of them).
 
+    ``partitions``: Dagster's time-window or static partitions, or static keys as a list of
+    strings (the pipeline then runs without importing Dagster; ``partitions_def`` is the
+    Dagster definition its assets are partitioned by).
+
     ``stages`` are DataFrame stages (``Stage``) and keyed stages (``KeyedStage``) in any mix.
     ``max_parallelism``: the number of key groups of every keyed stage (Flink's max
     parallelism), the most tasks a keyed stage can ever run on. It is fixed for the life of
@@ -213,7 +241,7 @@ class StatefulPipeline:
     name: str
     stages: Sequence[Stage | KeyedStage]
     source: Source
-    partitions: "dg.PartitionsDefinition"
+    partitions: "dg.PartitionsDefinition | Sequence[str]"
     sinks: Sequence[Sink] = ()
     checkpoint_interval: int = 2
     max_retained_checkpoints: int = 3
@@ -317,7 +345,19 @@ class StatefulPipeline:
             if sink.name in sink_names:
                 raise ValueError(f"pipeline {self.name}: two sinks are called {sink.name!r}")
             sink_names.add(sink.name)
+        if static_partition_keys(self.partitions) is not None:
+            object.__setattr__(self, "partitions", static_partition_keys(self.partitions))
         object.__setattr__(self, "order", PartitionOrder(self.partitions))
+
+    @cached_property
+    def partitions_def(self) -> "dg.PartitionsDefinition":
+        """The pipeline's partitions as Dagster's definition (static keys given as a sequence
+        become a ``dg.StaticPartitionsDefinition``): what its assets are partitioned by."""
+        if isinstance(self.partitions, tuple):
+            import dagster as dg
+
+            return dg.StaticPartitionsDefinition(list(self.partitions))
+        return self.partitions
 
     def input_of(self, index: int) -> str:
         """What stage ``index`` reads: ``SOURCE`` or an earlier stage's name."""

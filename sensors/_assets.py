@@ -232,7 +232,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
     # Dagster allows an asset to depend on itself only across time windows; for static
     # partitions the runner alone enforces the order (MissingStateError names what is
     # missing).
-    if isinstance(pipeline.partitions, dg.TimeWindowPartitionsDefinition):
+    if isinstance(pipeline.partitions_def, dg.TimeWindowPartitionsDefinition):
         upstream.append(
             dg.AssetDep(
                 name,
@@ -279,7 +279,7 @@ def build_stateful_assets(pipeline: StatefulPipeline) -> dg.AssetsDefinition:
                 "does about it.",
             )
         ],
-        partitions_def=pipeline.partitions,
+        partitions_def=pipeline.partitions_def,
         # One run processes a backfill's partitions in order, in one Spark session.
         backfill_policy=dg.BackfillPolicy.single_run(),
         # Subsettable for the check alone (``<name>_integrity_job``); a selection of any of

@@ -244,7 +244,7 @@ def plan_recovery(
         )
     if instance.get_run_ids(dg.RunsFilter(tags={RECOVERY_OF_TAG: run_id}), limit=1):
         return dg.SkipReason(f"run {run_id} already has a recovery run")
-    partitions = _partitions_of(failed, pipeline.partitions)
+    partitions = _partitions_of(failed, pipeline.partitions_def)
     if not partitions:
         return dg.SkipReason(f"run {run_id} is not a partitioned run: nothing to recover")
     done = _completed_partitions(instance, run_id, pipeline.name)
@@ -256,7 +256,7 @@ def plan_recovery(
             f"run {run_id} completed every partition ({partitions[0]}..{partitions[-1]}) "
             "before it failed: nothing to recover"
         )
-    moved_on = _first_covering(later_runs, remaining[0], pipeline.partitions)
+    moved_on = _first_covering(later_runs, remaining[0], pipeline.partitions_def)
     if moved_on is not None:
         later, partition = moved_on
         return dg.SkipReason(

@@ -250,20 +250,20 @@ def build_savepoint_schedule(
         cron, timezone = explicit, "UTC"
         origin = "explicit" if cron_schedule else "SAVEPOINT_CRON"
     else:
-        cron, timezone = savepoint_cron_for(pipeline.partitions)
+        cron, timezone = savepoint_cron_for(pipeline.partitions_def)
         origin = (
             "static partitions: a fixed default"
-            if not isinstance(pipeline.partitions, dg.TimeWindowPartitionsDefinition)
+            if not isinstance(pipeline.partitions_def, dg.TimeWindowPartitionsDefinition)
             else "one per partition, after it closes"
         )
     description = (
         f"Take a savepoint of {name} into <savepoint_dir>/scheduled on '{cron}' ({timezone}; "
         f"{origin}). Skips while there is no completed checkpoint."
     )
-    if explicit and coarser_than_partitions(cron, timezone, pipeline.partitions):
+    if explicit and coarser_than_partitions(cron, timezone, pipeline.partitions_def):
         coarser = (
             f"'{cron}' ({origin}) is coarser than {name}'s partitions "
-            f"('{pipeline.partitions.cron_schedule}'): not every partition boundary gets a "
+            f"('{pipeline.partitions_def.cron_schedule}'): not every partition boundary gets a "
             "savepoint"
         )
         description += f" Note: {coarser}."

@@ -103,7 +103,8 @@ def static_partition_keys(partitions) -> tuple[str, ...] | None:
     """``partitions`` as static keys when they are a sequence of them (a list or a tuple of
     strings, given instead of a ``dg.StaticPartitionsDefinition``), else None. Unique and
     non-empty, or a ValueError."""
-    if not isinstance(partitions, (list, tuple)):
+    # by type, not isinstance: Dagster's definitions are named tuples
+    if type(partitions) not in (list, tuple):
         return None
     keys = tuple(partitions)
     if not keys or not all(isinstance(k, str) and k for k in keys):
@@ -353,7 +354,7 @@ class StatefulPipeline:
     def partitions_def(self) -> "dg.PartitionsDefinition":
         """The pipeline's partitions as Dagster's definition (static keys given as a sequence
         become a ``dg.StaticPartitionsDefinition``): what its assets are partitioned by."""
-        if isinstance(self.partitions, tuple):
+        if type(self.partitions) is tuple:
             import dagster as dg
 
             return dg.StaticPartitionsDefinition(list(self.partitions))

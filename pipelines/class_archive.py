@@ -9,7 +9,8 @@ once per Java and pyspark installation: a training process starts a session with
 ``-XX:ArchiveClassesAtExit``, runs the kinds of work the pipelines run (a query, Arrow batches
 through Python workers, a shuffle, Parquet written and read, a pass persisted on disk), stops,
 and the JVM writes the classes it loaded as it exits; the file is moved into place only when
-complete. ``scripts/setup-env`` builds it; ``pipelines class-archive`` does too.
+complete. ``scripts/setup-env`` builds it (``python -m pipelines.class_archive``; ``--force``:
+again).
 
 ``java_options`` is what a session's driver adds to its ``spark.driver.extraJavaOptions``
 (``resources.build_spark_session`` does) while the archive exists: the JVM maps it, or, when it

@@ -227,3 +227,42 @@ def test_a_started_session_warms_up_its_python_workers():
             "warmed [(0, True), (1, True)]",
             "once True",
             "stopped None True"] == lines, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+_STOP_CHILD = textwrap.dedent("""
+    import threading
+    from pyspark import SparkContext
+    from resources import SparkResource
+
+    resource = SparkResource(master="local[1]", app_name="stop",
+                             conf={"spark.ui.enabled": "false"})
+    session = resource.session
+    server = session.sparkContext._accumulatorServer
+    acc = session.sparkContext.accumulator(0)
+    session.sparkContext.parallelize(range(4), 1).foreach(lambda x: acc.add(x))
+    callers = []
+    real = server.shutdown
+    def shutdown():
+        callers.append(threading.current_thread().name)
+        real()
+    server.shutdown = shutdown
+    resource.teardown_after_execution(None)
+    stopped = SparkContext._active_spark_context is None
+    stopper = [t for t in threading.enumerate() if t.name == "accumulator-server-stop"]
+    for thread in stopper:
+        thread.join(10)
+    print("STOP", acc.value, stopped, callers, server.server_shutdown,
+          server.socket.fileno() == -1, flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_resource_stops_its_session_without_waiting_for_the_accumulator_server():
+    """The teardown stops the context and leaves the accumulator server's shutdown (a wait of
+    up to a second for its handler's poll) to a thread of its own, which ends it: the
+    server's socket is closed, and the accumulator's value is what the job added."""
+    done = subprocess.run([sys.executable, "-c", _STOP_CHILD], capture_output=True, text=True,
+                          timeout=280)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("STOP")]
+    assert ["STOP 6 True ['accumulator-server-stop'] True True"] == lines, (
+        done.stdout[-2000:] + done.stderr[-2000:])

@@ -346,8 +346,9 @@ class StatefulPipeline:
             if sink.name in sink_names:
                 raise ValueError(f"pipeline {self.name}: two sinks are called {sink.name!r}")
             sink_names.add(sink.name)
-        if static_partition_keys(self.partitions) is not None:
-            object.__setattr__(self, "partitions", static_partition_keys(self.partitions))
+        keys = static_partition_keys(self.partitions)
+        if keys is not None:
+            object.__setattr__(self, "partitions", keys)
         object.__setattr__(self, "order", PartitionOrder(self.partitions))
 
     @cached_property

@@ -112,6 +112,9 @@ SUM_TYPE = pa.decimal128(22, 2)
 START = np.datetime64("2026-10-01T00:00:00", "us")
 TARGETS = {"bytes/batch": 0.3, "batch wall": 0.7, "recovery (worst point)": 0.8,
            "peak RSS": 1.0}  # fmt: skip
+# The issue names the recovery's own peak at 8M ("in the run and in recovery"): a target
+# there; at the other sizes it is printed without one.
+RECOVERY_PEAK_TARGET, RECOVERY_PEAK_SIZES = 1.0, (8_000_000,)
 GROWTH_TARGET = 1.3
 # A change file or a full snapshot of one key group range, in our shared directory.
 OURS_STATE_FILE = re.compile(r"-kg(\d+)-(\d+)-([bm])\d+-a\d+-")
@@ -778,7 +781,16 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         # its run's); this compares the recoveries alone
         r = (max(p["peak_rss"] for p in ours.recovery.values())
              / max(p["peak_rss"] for p in ss.recovery.values()))
-        print(f"S={size:,} peak RSS in recovery: {r:.2f}x SS RocksDB (no target)")
+        if size in RECOVERY_PEAK_SIZES and correct:
+            checks.append(r <= RECOVERY_PEAK_TARGET)
+            print(f"S={size:,} peak RSS in recovery: {r:.2f}x SS RocksDB (target <= "
+                  f"{RECOVERY_PEAK_TARGET}x): {'ok' if r <= RECOVERY_PEAK_TARGET else 'MISSED'}")
+        else:
+            print(f"S={size:,} peak RSS in recovery: {r:.2f}x SS RocksDB (no target)")
+    elif size in RECOVERY_PEAK_SIZES:
+        print(f"S={size:,} peak RSS in recovery <= {RECOVERY_PEAK_TARGET}x SS RocksDB: MISSED "
+              "(not measured)")
+        checks.append(False)
     return checks
 
 

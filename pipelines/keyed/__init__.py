@@ -84,7 +84,7 @@ __all__ = [
 _ELSEWHERE = {
     "chains_to_operator_state": "pipelines.keyed._chain",
     "encode_keyed_master_state": "pipelines.keyed._chain",
-    "rebuild_store": "pipelines.keyed._chain",
+    "rebuild_store": "pipelines.keyed._rebuild",
     "write_change_file": "pipelines.keyed._chain",
     "write_full_snapshot": "pipelines.keyed._chain",
     "KeyedStageDriver": "pipelines.keyed._driver",

@@ -23,14 +23,12 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from pipelines.keyed._chain import (
-    KeyedStateChain,
-    rebuild_store,
-)
+from pipelines.keyed._chain import KeyedStateChain
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
 )
 from pipelines.keyed._layout import KeyedStateLayout
+from pipelines.keyed._rebuild import rebuild_store
 from pipelines.keyed._store import (
     ArrowKeyedStateStore,
     LocalStoreError,

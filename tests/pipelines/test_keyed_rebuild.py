@@ -20,6 +20,7 @@ from pipelines.keyed import (
     KeyedStateLayout,
     KeyGroupRange,
     _chain,
+    _rebuild,
     rebuild_store,
     replay_chains,
     write_change_file,
@@ -109,7 +110,7 @@ def test_one_pass_rebuild_equals_the_per_file_replay(layout, base, files, snapsh
     dict hold, for the whole range and for a range across both chains (rescaling); also
     rebuilt in slices of its key groups (``slice_rows``: 1, a slice per key group)."""
     with tempfile.TemporaryDirectory() as tmp, \
-            mock.patch.object(_chain, "_SLICE_ROWS", slice_rows):
+            mock.patch.object(_rebuild, "_SLICE_ROWS", slice_rows):
         tmp = Path(tmp)
         job = Job(tmp)
         chains, model = _chains(job, tmp, layout, base, files, snapshot)
@@ -145,10 +146,11 @@ def test_keys_sharing_a_hash_stay_apart(job, tmp_path, monkeypatch, check_rows):
     """Two keys with one hash (forced: a hash of 8 values) are two keys: each keeps its own
     last change, as in the per-file replay; also when the keys are compared a few rows at a
     time (``check_rows``), a collision in any part found."""
-    monkeypatch.setattr(_chain, "_CHECK_ROWS", check_rows)
+    monkeypatch.setattr(_rebuild, "_CHECK_ROWS", check_rows)
     real = _chain.hash_keys
-    monkeypatch.setattr(_chain, "hash_keys",
-                        lambda table, key: real(table, key) & np.uint64(LAYOUT.max_parallelism - 1))
+    for module in (_chain, _rebuild):  # the files written and the rebuild: one weak hash
+        monkeypatch.setattr(module, "hash_keys", lambda table, key: real(table, key)
+                            & np.uint64(LAYOUT.max_parallelism - 1))
     files = [({"a": 1, "b": 2, "c": 3}, set()), ({"a": 4}, {"b"}), ({"b": 5, "d": 6}, {"c"})]
     chain = KeyedStateChain(ALL, None)
     for upserts, doomed in files:
@@ -168,7 +170,7 @@ def test_a_damaged_change_file_in_the_middle_fails_the_rebuild_naming_it(job, tm
     """A change file whose bytes changed on storage, in the middle of a chain, fails the
     rebuild with an error naming it, and the store that was there is left as it was; also
     when the rebuild goes by slices of the key groups (``slice_rows`` 1: one per group)."""
-    monkeypatch.setattr(_chain, "_SLICE_ROWS", slice_rows)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", slice_rows)
     chain = KeyedStateChain(ALL, None)
     for number in range(5):
         chain = chain.appended(write_change_file(job.factory, LAYOUT, ALL,
@@ -209,7 +211,7 @@ def test_each_row_of_the_chain_is_hashed_once(job, tmp_path, monkeypatch):
         write_change_file(job.factory, LAYOUT, ALL, clicks_table(base), NO_KEYS),
         write_change_file(job.factory, LAYOUT, ALL, clicks_table({"user_1": 5}),
                           deletes({"user_2"}))))
-    monkeypatch.setattr(_chain, "hash_keys", counting(_chain.hash_keys))
+    monkeypatch.setattr(_rebuild, "hash_keys", counting(_rebuild.hash_keys))
     monkeypatch.setattr(_store, "hash_keys", counting(_store.hash_keys))
 
     store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], "v")
@@ -282,15 +284,15 @@ def test_the_collision_check_takes_keys_from_one_chunk(job, tmp_path, monkeypatc
     """The key columns of a chain's rows are concatenated once before the collision check:
     a take from a column of one chunk per file concatenated it at every part of the check
     (8 times the 8M keys of a 4M-row range at the worst point)."""
-    monkeypatch.setattr(_chain, "_CHECK_ROWS", 100)  # several parts
+    monkeypatch.setattr(_rebuild, "_CHECK_ROWS", 100)  # several parts
     chunks = []
-    real = _chain._same_keys
+    real = _rebuild._same_keys
 
     def same_keys(rows, key, these, those):
         chunks.append(rows.column("user").num_chunks)
         return real(rows, key, these, those)
 
-    monkeypatch.setattr(_chain, "_same_keys", same_keys)
+    monkeypatch.setattr(_rebuild, "_same_keys", same_keys)
     chain = _chain_of_many_files(job, 2_000, 5)
 
     store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], "v")
@@ -349,7 +351,7 @@ def test_the_rebuild_holds_a_slice_of_the_chain_not_the_chain(job, tmp_path, mon
         chain.handles, [_chain._FULL_SNAPSHOT] + [_chain._CHANGE] * len(chain.changes),
         strict=True))
     chain_rows = 40_000 + 10 * 4_000
-    monkeypatch.setattr(_chain, "_SLICE_ROWS", 5_000)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
     previous = pa.default_memory_pool()
     pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
     pa.set_memory_pool(pool)
@@ -377,7 +379,7 @@ def test_a_store_rebuilt_in_slices_is_the_store_rebuilt_whole(job, tmp_path, mon
     wanted = KeyGroupRange(3, 50) if narrower else key_groups
     stores = []
     for slice_rows in (1 << 20, 700):
-        monkeypatch.setattr(_chain, "_SLICE_ROWS", slice_rows)
+        monkeypatch.setattr(_rebuild, "_SLICE_ROWS", slice_rows)
         stores.append(rebuild_store(tmp_path / f"store-{slice_rows}", WIDE, wanted, [chain],
                                     "v"))
     whole, sliced = stores
@@ -420,7 +422,7 @@ def test_files_out_of_key_group_order_are_sorted_before_they_are_sliced(job, tmp
         chain = chain.appended(unsorted_change_file(
             {f"user_{i}": 100 + number for i in range(number, 2_000, 7)},
             {f"user_{i}" for i in range(number + 1, 2_000, 13)}))
-    monkeypatch.setattr(_chain, "_SLICE_ROWS", 400)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 400)
 
     store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
 

@@ -1,7 +1,13 @@
-"""What the benchmark scripts share: moto's S3 server on loopback, and the closing line."""
+"""What the benchmark scripts share: moto's S3 server on loopback, the storage backends they
+run on, and the closing line."""
 
 import logging
 import os
+import shutil
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
 
 
 def start_moto(on_request=None) -> tuple[str, object]:
@@ -34,6 +40,59 @@ def start_moto(on_request=None) -> tuple[str, object]:
     server.start()
     host, port = server.get_host_and_port()
     return f"http://{host}:{port}", server
+
+
+@dataclass
+class Backend:
+    """Where a storage benchmark writes: a base URL and its fsspec options; ``log`` (S3 only,
+    when asked for) sees each request the server receives."""
+
+    name: str
+    base_url: str
+    storage_options: dict
+    description: str
+    log: object | None = None
+    cleanup: list = field(default_factory=list)
+
+    def close(self) -> None:
+        for action in reversed(self.cleanup):
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - cleanup of a benchmark
+                print(f"  (cleanup of {self.name} failed: {exc})", file=sys.stderr)
+
+
+def open_backend(name: str, local_dir: str | None, prefix: str, request_log=None) -> Backend:
+    """A fresh ``local`` directory (under ``local_dir``), ``memory`` URL or ``s3`` bucket (on
+    moto's server, started here; ``request_log.record(environ)`` sees its requests)."""
+    if name == "local":
+        base = tempfile.mkdtemp(prefix=f"{prefix}-", dir=local_dir)
+        backend = Backend(name, base, {}, f"local disk, {base}")
+        backend.cleanup.append(lambda: shutil.rmtree(base, ignore_errors=True))
+        return backend
+    if name == "memory":
+        import fsspec
+
+        base = f"memory://{prefix}-{uuid.uuid4().hex[:8]}"
+        backend = Backend(name, base, {}, f"fsspec memory://, {base}")
+        backend.cleanup.append(lambda: fsspec.filesystem("memory").rm(base, recursive=True))
+        return backend
+    if name == "s3":
+        import boto3
+
+        endpoint, server = start_moto(request_log.record if request_log is not None else None)
+        bucket = f"bench-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        backend = Backend(
+            name,
+            f"s3://{bucket}/bench",
+            {"endpoint_url": endpoint},
+            f"s3fs against moto's ThreadedMotoServer in this process, {endpoint}",
+            request_log,
+        )
+        backend.cleanup.append(server.stop)
+        return backend
+    raise ValueError(f"unknown backend {name!r}")
 
 
 def targets_line(rows) -> str:

@@ -38,18 +38,16 @@ import io
 import math
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import threading
 import time
 import uuid
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from _common import start_moto, targets_line
+from _common import Backend, open_backend, targets_line
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -90,48 +88,6 @@ class RequestLog:
     def snapshot(self) -> Counter:
         with self._lock:
             return Counter(self._counts)
-
-
-@dataclass
-class Backend:
-    name: str
-    base_url: str
-    storage_options: dict
-    description: str
-    log: RequestLog | None = None
-    cleanup: list = field(default_factory=list)
-
-    def close(self) -> None:
-        for action in reversed(self.cleanup):
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - cleanup of a benchmark
-                print(f"  (cleanup of {self.name} failed: {exc})", file=sys.stderr)
-
-
-def open_backend(name: str, local_dir: str | None) -> Backend:
-    if name == "local":
-        base = tempfile.mkdtemp(prefix="lifecycle-", dir=local_dir)
-        backend = Backend(name, base, {}, f"local disk, {base}")
-        backend.cleanup.append(lambda: shutil.rmtree(base, ignore_errors=True))
-        return backend
-    if name == "s3":
-        import boto3
-
-        log = RequestLog()
-        endpoint, server = start_moto(log.record)
-        bucket = f"bench-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        backend = Backend(
-            name,
-            f"s3://{bucket}/bench",
-            {"endpoint_url": endpoint},
-            f"s3fs against moto's ThreadedMotoServer in this process, {endpoint}",
-            log,
-        )
-        backend.cleanup.append(server.stop)
-        return backend
-    raise ValueError(f"unknown backend {name!r}")
 
 
 def new_job(backend: Backend, directory: str):
@@ -445,7 +401,7 @@ def discard(backend: Backend, m: int, repeats: int, workers: int) -> list[Row]:
 
 
 def run_backend(name: str, args) -> list[Row]:
-    backend = open_backend(name, args.local_dir)
+    backend = open_backend(name, args.local_dir, "lifecycle", RequestLog())
     try:
         print(f"\n== {name}: {backend.description}")
         if name == "s3":

@@ -28,16 +28,14 @@ import gc
 import os
 import platform
 import pstats
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from _common import start_moto, targets_line
+from _common import Backend, open_backend, targets_line
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -55,52 +53,6 @@ DEFAULT_FILE_STATES = {"local": 100_000, "memory": 100_000, "s3": 2_000}
 
 
 # --- backends ------------------------------------------------------------------------------
-
-
-@dataclass
-class Backend:
-    name: str
-    base_url: str
-    storage_options: dict
-    description: str
-    cleanup: list = field(default_factory=list)
-
-    def close(self) -> None:
-        for action in reversed(self.cleanup):
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - cleanup of a benchmark
-                print(f"  (cleanup of {self.name} failed: {exc})", file=sys.stderr)
-
-
-def open_backend(name: str, local_dir: str | None) -> Backend:
-    if name == "local":
-        base = tempfile.mkdtemp(prefix="stream-write-", dir=local_dir)
-        backend = Backend(name, base, {}, f"local disk, {base}")
-        backend.cleanup.append(lambda: shutil.rmtree(base, ignore_errors=True))
-        return backend
-    if name == "memory":
-        import fsspec
-
-        base = f"memory://stream-write-{uuid.uuid4().hex[:8]}"
-        backend = Backend(name, base, {}, f"fsspec memory://, {base}")
-        backend.cleanup.append(lambda: fsspec.filesystem("memory").rm(base, recursive=True))
-        return backend
-    if name == "s3":
-        import boto3
-
-        endpoint, server = start_moto()
-        bucket = f"bench-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        backend = Backend(
-            name,
-            f"s3://{bucket}/bench",
-            {"endpoint_url": endpoint},
-            f"s3fs against moto's ThreadedMotoServer in this process, {endpoint}",
-        )
-        backend.cleanup.append(server.stop)
-        return backend
-    raise ValueError(f"unknown backend {name!r}")
 
 
 # --- the two sides of each workload ----------------------------------------------------------
@@ -275,7 +227,7 @@ def run_backend(name: str, args) -> list[Row]:
     size = size_mib * MIB
     states = args.states
     file_states = args.file_states if args.file_states is not None else DEFAULT_FILE_STATES[name]
-    backend = open_backend(name, args.local_dir)
+    backend = open_backend(name, args.local_dir, "stream-write")
     rows = []
     try:
         print(f"\n== {name}: {backend.description}")

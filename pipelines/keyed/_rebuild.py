@@ -6,8 +6,10 @@ Every file of a chain is already in a store segment's (key group, key hash) orde
 chain's files replay in one pass (one stable sort over sorted runs: a key's last row wins, a
 delete removes it) into rows in the segment's order, loaded as the segment: no lookup of the
 changes in the base, no merge, one write. The chain is replayed in slices of its key groups
-(``_SLICE_ROWS``), so that what a rebuild holds at once is a slice's rows and work, not the
-chain's.
+(``_SLICE_ROWS``), the change files' parts of later slices and the slices' winners kept on
+disk until they are needed, and the segment is written a column at a time
+(``ArrowKeyedStateStore.load_sorted``), so that what a rebuild holds at once is a slice's
+rows and work, not the chain's, nor its state.
 """
 
 import mmap
@@ -44,8 +46,9 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
     the base and of the change files, oldest first, in one pass (``_last_rows_in_store_order``)
     into rows in the segment's order; the slices' winners, in key group order, are loaded as
     the segment: no lookup of the changes in the base, no merge, one write. What a rebuild
-    holds at once is a slice's rows and work, the winners so far and the change files'
-    later slices, not the chain's rows and the work over all of them. Every file is read
+    holds at once is a slice's rows and work (the change files' later slices and the winners
+    so far wait on disk, in unnamed temporary files beside the store), then one column of
+    the segment as it is written, not the chain's rows, nor the state. Every file is read
     (verified and checked as ``replay_chains`` does) before the store is touched: a file
     that cannot be read fails the rebuild, naming it, and leaves the store as it was."""
     hashes = []  # each slice's winners' key hashes; the winners are spilled to disk

@@ -36,6 +36,8 @@ from pipelines.keyed._store import ArrowKeyedStateStore, group_hash_order, remov
 
 __all__ = ["rebuild_store"]
 
+_KEY_HASH = "__key_hash"  # the winners' key hashes, beside their stored columns until loaded
+
 
 def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange,
                   chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
@@ -51,10 +53,12 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
     the segment as it is written, not the chain's rows, nor the state. Every file is read
     (verified and checked as ``replay_chains`` does) before the store is touched: a file
     that cannot be read fails the rebuild, naming it, and leaves the store as it was."""
-    hashes = []  # each slice's winners' key hashes; the winners are spilled to disk
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with _WinnersSpill(_replay_schema(layout), directory.parent) as spill:
+    stored = _replay_schema(layout)
+    # the winners with their key hashes (the store does not hash them again)
+    with _WinnersSpill(stored.append(pa.field(_KEY_HASH, pa.uint64())),
+                       directory.parent) as spill:
         for chain in sorted(chains, key=lambda c: c.key_groups.start):
             overlap = chain.key_groups.intersection(key_groups)
             if len(overlap) and chain.handles:
@@ -63,16 +67,15 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
                     taken, taken_hashes = _slice_winners(files, deleted, layout)
                     del files, deleted
                     if taken.num_rows:
-                        spill.append(taken)
-                        hashes.append(taken_hashes)
-                    del taken
+                        spill.append(taken.append_column(
+                            _KEY_HASH, pa.array(taken_hashes, pa.uint64())))
+                    del taken, taken_hashes
                     pa.default_memory_pool().release_unused()
         remove_store(directory)
         store = ArrowKeyedStateStore(directory, layout, key_groups)
-        # the rows' hashes are known: the store does not hash them again
-        store.load_sorted(spill.schema, spill.num_rows, spill.column,
-                          np.concatenate(hashes) if hashes else np.zeros(0, np.uint64),
-                          version=version)
+        hashes = spill.column(len(stored)).to_numpy() if spill.num_rows else \
+            np.zeros(0, np.uint64)
+        store.load_sorted(stored, spill.num_rows, spill.column, hashes, version=version)
     return store
 
 

@@ -455,9 +455,9 @@ def test_a_rebuilt_segment_is_the_file_a_load_of_its_rows_writes(job, tmp_path, 
 
 def test_the_rebuild_never_holds_all_its_winners(job, tmp_path, monkeypatch):
     """The slices' winners are kept on disk until the segment's write, which makes one column
-    one chunk at a time: Arrow's peak during a rebuild of many slices stays well below the
-    state it rebuilds (it held all the winners, then the segment's columns made one chunk
-    each: more than the state)."""
+    one chunk at a time (beside the key hashes): Arrow's peak during a rebuild of many
+    slices stays well below the state it rebuilds (it held all the winners, and a column
+    made one chunk: more than the state)."""
     key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
     chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 2, monkeypatch)
     monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
@@ -469,7 +469,7 @@ def test_the_rebuild_never_holds_all_its_winners(job, tmp_path, monkeypatch):
     finally:
         pa.set_memory_pool(previous)
     state = store._segment.nbytes
-    assert pool.max_memory() < state // 2, (pool.max_memory(), state)
+    assert pool.max_memory() < state * 3 // 4, (pool.max_memory(), state)
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()
 

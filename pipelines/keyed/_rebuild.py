@@ -6,15 +6,21 @@ Every file of a chain is already in a store segment's (key group, key hash) orde
 chain's files replay in one pass (one stable sort over sorted runs: a key's last row wins, a
 delete removes it) into rows in the segment's order, loaded as the segment: no lookup of the
 changes in the base, no merge, one write. The chain is replayed in slices of its key groups
-(``_SLICE_ROWS``), so that what a rebuild holds at once is a slice's rows and work, not the
-chain's.
+(``_SLICE_ROWS``), the change files' parts of later slices and the slices' winners kept on
+disk until they are needed, and the segment is written a column at a time
+(``ArrowKeyedStateStore.load_sorted``), so that what a rebuild holds at once is a slice's
+rows and work, not the chain's, nor its state.
 """
 
+import mmap
+import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.ipc as ipc
 
 from pipelines.keyed._chain import (
     _CHANGE,
@@ -30,6 +36,8 @@ from pipelines.keyed._store import ArrowKeyedStateStore, group_hash_order, remov
 
 __all__ = ["rebuild_store"]
 
+_KEY_HASH = "__key_hash"  # the winners' key hashes, beside their stored columns until loaded
+
 
 def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange,
                   chains: Iterable[KeyedStateChain], version: str) -> ArrowKeyedStateStore:
@@ -40,31 +48,101 @@ def rebuild_store(directory, layout: KeyedStateLayout, key_groups: KeyGroupRange
     the base and of the change files, oldest first, in one pass (``_last_rows_in_store_order``)
     into rows in the segment's order; the slices' winners, in key group order, are loaded as
     the segment: no lookup of the changes in the base, no merge, one write. What a rebuild
-    holds at once is a slice's rows and work, the winners so far and the change files'
-    later slices, not the chain's rows and the work over all of them. Every file is read
+    holds at once is a slice's rows and work (the change files' later slices and the winners
+    so far wait on disk, in unnamed temporary files beside the store), then one column of
+    the segment as it is written, not the chain's rows, nor the state. Every file is read
     (verified and checked as ``replay_chains`` does) before the store is touched: a file
     that cannot be read fails the rebuild, naming it, and leaves the store as it was."""
-    winners, hashes = [], []  # each slice's winners (stored columns) and their key hashes
-    for chain in sorted(chains, key=lambda c: c.key_groups.start):
-        overlap = chain.key_groups.intersection(key_groups)
-        if len(overlap) and chain.handles:
-            for files, deleted in _chain_slices(chain, overlap, layout):
-                taken, taken_hashes = _slice_winners(files, deleted, layout)
-                del files, deleted
-                if taken.num_rows:
-                    winners.append(taken)
-                    hashes.append(taken_hashes)
-                del taken
-                pa.default_memory_pool().release_unused()
-    remove_store(directory)
-    store = ArrowKeyedStateStore(directory, layout, key_groups)
-    if not winners:
-        store.load(layout.stored_schema.empty_table(), version=version)
-        return store
-    rows = _concatenated_releasing(_replay_schema(layout), winners)
-    # the rows' hashes are known: the store does not hash them again
-    store.load(rows, version=version, key_hashes=np.concatenate(hashes))
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    stored = _replay_schema(layout)
+    # the winners with their key hashes (the store does not hash them again)
+    with _WinnersSpill(stored.append(pa.field(_KEY_HASH, pa.uint64())),
+                       directory.parent) as spill:
+        for chain in sorted(chains, key=lambda c: c.key_groups.start):
+            overlap = chain.key_groups.intersection(key_groups)
+            if len(overlap) and chain.handles:
+                for files, deleted in _chain_slices(chain, overlap, layout,
+                                                    directory.parent):
+                    taken, taken_hashes = _slice_winners(files, deleted, layout)
+                    del files, deleted
+                    if taken.num_rows:
+                        spill.append(taken.append_column(
+                            _KEY_HASH, pa.array(taken_hashes, pa.uint64())))
+                    del taken, taken_hashes
+                    pa.default_memory_pool().release_unused()
+        remove_store(directory)
+        store = ArrowKeyedStateStore(directory, layout, key_groups)
+        hashes = spill.column(len(stored)).to_numpy() if spill.num_rows else \
+            np.zeros(0, np.uint64)
+        store.load_sorted(stored, spill.num_rows, spill.column, hashes, version=version)
     return store
+
+
+class _WinnersSpill:
+    """The winners of a rebuild's slices until the segment is written: a first slice's in
+    memory (a chain of one slice: written as it is); from a second slice on, on disk, each
+    column's chunks in a file of its own (an Arrow IPC stream in an unnamed temporary file
+    beside the store: a crash leaves nothing), read back whole, mapped, one column at a time
+    (``column``). The rebuild holds one slice's winners, not all of them (a 4M-row range:
+    its state, ~240 MiB, beside its last slices and the segment's write)."""
+
+    def __init__(self, schema: pa.Schema, directory: Path) -> None:
+        self.schema, self.num_rows = schema, 0
+        self._directory = directory
+        self._first: pa.Table | None = None
+        self._files: list = []
+        self._writers: list = []
+
+    def __enter__(self) -> "_WinnersSpill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for file in self._files:
+            file.close()
+
+    def append(self, table: pa.Table) -> None:
+        """The winners of a slice (of ``schema``), after the slices before."""
+        self.num_rows += table.num_rows
+        if self._first is None and not self._files:
+            self._first = table
+            return
+        if not self._files:
+            # closed once read (``column``), or on leaving
+            self._files = [tempfile.TemporaryFile(dir=self._directory)  # noqa: SIM115
+                           for _ in self.schema]
+            self._writers = [ipc.new_stream(file, pa.schema([field]))
+                             for file, field in zip(self._files, self.schema, strict=True)]
+            table, self._first = pa.concat_tables([self._first, table]), None
+        for i, writer in enumerate(self._writers):
+            writer.write_table(table.select([i]))
+
+    def column(self, i: int) -> pa.Array:
+        """The ``i``-th column of all the winners, in one chunk (its file then closed). A
+        column too large for one chunk (offset overflow) fails, naming it."""
+        if self._first is not None:
+            chunks = self._first.column(i).chunks
+            return chunks[0] if len(chunks) == 1 else self._concatenated(i, chunks)
+        self._writers[i].close()
+        file = self._files[i]
+        file.flush()
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            buffer = pa.py_buffer(mapped)
+            chunks = ipc.open_stream(buffer).read_all().column(0).chunks
+            try:
+                column = self._concatenated(i, chunks)  # a copy: the map closes below
+            finally:
+                del chunks, buffer
+        file.close()
+        return column
+
+    def _concatenated(self, i: int, chunks: list[pa.Array]) -> pa.Array:
+        try:
+            return pa.concat_arrays(chunks)
+        except (pa.ArrowInvalid, pa.ArrowCapacityError) as exc:
+            raise KeyedStateFormatError(
+                f"column {self.schema.field(i).name} of a rebuilt range is too large for one "
+                f"record batch ({exc})") from exc
 
 
 _SLICE_ROWS = 1 << 20
@@ -74,16 +152,16 @@ its decoded rows are held for one slice, not for the range (at the worst point o
 range: its 8M rows)."""
 
 
-def _chain_slices(chain: KeyedStateChain, overlap: KeyGroupRange, layout: KeyedStateLayout
-                  ) -> Iterator[tuple[list[pa.Table], list[np.ndarray]]]:
+def _chain_slices(chain: KeyedStateChain, overlap: KeyGroupRange, layout: KeyedStateLayout,
+                  spill_directory: Path) -> Iterator[tuple[list[pa.Table], list[np.ndarray]]]:
     """The rows of ``chain``'s files in ``overlap``, a slice of its key groups at a time, in
     key group order: each slice's parts of its files, oldest first, and which of their rows
     are deletes. The base (the full snapshot, or the first change file of a chain that
     started empty: the bulk of its rows) is decoded a row group at a time as the slices
     need it (its row groups follow each other by key group); the change files (one row
-    group each, typically) are decoded once, whole, and their slices copied apart, so that
-    each slice's part is freed once replayed. Every file is opened (read and verified
-    whole) before the first slice is yielded."""
+    group each, typically) are decoded once, whole, one at a time, and each slice's part of
+    them is kept on disk until its slice (``_LaterParts``, in ``spill_directory``). Every
+    file is opened (read and verified whole) before the first slice is yielded."""
     if chain.full_snapshot is not None:
         base = _open(chain.full_snapshot, layout, _FULL_SNAPSHOT, chain.key_groups, overlap)
         changes = chain.changes
@@ -95,28 +173,74 @@ def _chain_slices(chain: KeyedStateChain, overlap: KeyGroupRange, layout: KeyedS
     count = max(1, min(len(overlap), -(-rows // _SLICE_ROWS)))
     # each slice's last key group: the range in ``count`` slices of about as many key groups
     ends = [overlap.start + (len(overlap) * (i + 1)) // count - 1 for i in range(count)]
-    later = [[] for _ in ends]  # by slice: the change files' parts, oldest first
-    for file in opened:
-        # change files are small: decoded in this thread, not in Arrow's thread pool
-        table = next(file.tables(whole=True, use_threads=False))
-        for index, part in enumerate(_split_by_key_groups(table, ends, file.what)):
-            if part.num_rows:
-                later[index].append(_copied(part) if count > 1 else part)
-        del table
-    del opened
-    if base.row_groups_in_order():
-        base_tables = base.tables(use_threads=False)
-    else:  # written before files were sorted by key group: sorted here, whole
-        base_tables = iter([next(base.tables(whole=True, use_threads=False))])
-    for index, parts in enumerate(_split_stream_by_key_groups(base_tables, ends, base.what)):
-        parts.extend(later[index])
-        later[index] = None
-        if not parts:
-            continue
-        yield parts, [part.column(DELETED).to_numpy(zero_copy_only=False)
-                      if DELETED in part.column_names else np.zeros(part.num_rows, np.bool_)
-                      for part in parts]
-        del parts
+    with _LaterParts(count, spill_directory) as later:
+        for file in opened:
+            # change files are small: decoded in this thread, not in Arrow's thread pool
+            table = next(file.tables(whole=True, use_threads=False))
+            for index, part in enumerate(_split_by_key_groups(table, ends, file.what)):
+                if part.num_rows:
+                    later.add(index, part)
+            del table
+        del opened
+        if base.row_groups_in_order():
+            base_tables = base.tables(use_threads=False)
+        else:  # written before files were sorted by key group: sorted here, whole
+            base_tables = iter([next(base.tables(whole=True, use_threads=False))])
+        for index, parts in enumerate(_split_stream_by_key_groups(base_tables, ends,
+                                                                  base.what)):
+            parts.extend(later.take(index))
+            if not parts:
+                continue
+            yield parts, [part.column(DELETED).to_numpy(zero_copy_only=False)
+                          if DELETED in part.column_names else np.zeros(part.num_rows, np.bool_)
+                          for part in parts]
+            del parts
+
+
+class _LaterParts:
+    """The change files' parts of each slice of a chain, oldest first, until their slice:
+    with several slices, on disk (a slice's parts an Arrow IPC stream in an unnamed
+    temporary file: a crash leaves nothing), read back mapped (``take``), so that the
+    rebuild holds one slice's parts, not the change files' (at the worst point of a 4M-row
+    range: 3.9M rows, about its state); with one slice, in memory."""
+
+    def __init__(self, count: int, directory: Path) -> None:
+        self._directory = directory
+        self._parts: list[list[pa.Table]] = [[] for _ in range(count)]
+        # (file, writer, schema) once a part came
+        self._spills: list[tuple | None] = [None] * count
+
+    def __enter__(self) -> "_LaterParts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for spill in self._spills:
+            if spill is not None:
+                spill[0].close()
+
+    def add(self, index: int, part: pa.Table) -> None:
+        """A part of slice ``index`` (after its parts of older files)."""
+        if len(self._parts) == 1:
+            self._parts[0].append(part)
+            return
+        if self._spills[index] is None:
+            file = tempfile.TemporaryFile(dir=self._directory)  # noqa: SIM115 (__exit__)
+            self._spills[index] = file, ipc.new_stream(file, part.schema), part.schema
+        _, writer, schema = self._spills[index]
+        writer.write_table(concat_as(schema, [part]))
+
+    def take(self, index: int) -> list[pa.Table]:
+        """Slice ``index``'s parts, oldest first (mapped from its file, which is closed: the
+        map goes with the last of them)."""
+        if self._spills[index] is None:
+            parts, self._parts[index] = self._parts[index], []
+            return parts
+        (file, writer, _), self._spills[index] = self._spills[index], None
+        writer.close()
+        file.flush()
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        file.close()
+        return [ipc.open_stream(pa.py_buffer(mapped)).read_all()]
 
 
 def _split_by_key_groups(table: pa.Table, ends: list[int], what: str) -> list[pa.Table]:
@@ -184,13 +308,6 @@ def _groups(table: pa.Table) -> np.ndarray:
             ).to_numpy(zero_copy_only=False) if column.num_chunks else np.zeros(0, np.int16)
 
 
-def _copied(table: pa.Table) -> pa.Table:
-    """``table``'s rows in buffers of their own (not views on the file they were sliced from),
-    so that they are freed with it."""
-    return pa.Table.from_arrays([pa.concat_arrays(column.chunks) for column in table.columns],
-                                schema=table.schema)
-
-
 def _slice_winners(files: list[pa.Table], deleted: list[np.ndarray],
                    layout: KeyedStateLayout) -> tuple[pa.Table, np.ndarray]:
     """The state a slice of a chain's files (oldest first; ``deleted``: which of their rows are
@@ -207,30 +324,6 @@ def _slice_winners(files: list[pa.Table], deleted: list[np.ndarray],
     schema, columns = rows.schema, rows.columns
     del rows  # the columns list holds them alone: each freed once taken
     return _take_releasing(schema, columns, winners), hashes[winners]
-
-
-def _concatenated_releasing(schema: pa.Schema, tables: list[pa.Table]) -> pa.Table:
-    """``tables`` (of ``schema``) as one table of one chunk a column (a segment is one record
-    batch: see ``ArrowKeyedStateStore._write_arrow``), made column by column, each of the
-    tables' columns dropped once copied: the peak holds the tables and one column, not two
-    copies of the state. ``tables`` is emptied. A column too large for one chunk (offset
-    overflow) stays in its chunks."""
-    columns = [[chunk for table in tables for chunk in table.column(i).chunks]
-               for i in range(len(schema))]
-    del tables[:]
-    combined = []
-    for i, field in enumerate(schema):
-        chunks, columns[i] = columns[i], None
-        if len(chunks) == 1:
-            combined.append(chunks[0])
-            continue
-        try:
-            combined.append(pa.concat_arrays(chunks))
-        except (pa.ArrowInvalid, pa.ArrowCapacityError):
-            combined.append(pa.chunked_array(chunks, field.type))
-        del chunks
-        pa.default_memory_pool().release_unused()
-    return pa.Table.from_arrays(combined, schema=schema)
 
 
 def _with_combined_keys(rows: pa.Table, key: tuple[str, ...]) -> pa.Table:

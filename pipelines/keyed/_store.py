@@ -32,9 +32,10 @@ import ctypes
 import json
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +50,7 @@ from pipelines.keyed._key_groups import (
     last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
+from pipelines.keyed._segment_file import fixed_buffer_counts, write_one_batch
 from pipelines.keyed._store_base import KeyedStateStore
 from pipelines.keyed._store_directory import (
     _FILE_NAME,
@@ -283,9 +285,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         _VERIFIED.add(signature)
 
     def _write_arrow(self, prefix: str, table: pa.Table) -> str:
-        name = f"{prefix}-{uuid.uuid4().hex}.arrow"
-        path = self.directory / name
-        with open(path, "wb") as file:
+        def write(file) -> int:
             sink = _ChecksummedFile(file)
             with ipc.new_file(sink, table.schema) as writer:
                 # As few record batches as the table has chunks: a segment of one batch maps
@@ -293,10 +293,21 @@ class ArrowKeyedStateStore(KeyedStateStore):
                 # concatenation (a 4-chunk segment of 4M rows took 14 ms per take, 1 chunk
                 # 0.4 ms)
                 writer.write_table(table, max_chunksize=1 << 26)
+            return sink.checksum
+
+        return self._write_file(prefix, write)
+
+    def _write_file(self, prefix: str, write: Callable[[BinaryIO], int]) -> str:
+        """A new store file named for ``prefix``, written by ``write`` (given the open file,
+        returns the CRC-32 of what it wrote), its size and checksum recorded."""
+        name = f"{prefix}-{uuid.uuid4().hex}.arrow"
+        path = self.directory / name
+        with open(path, "wb") as file:
+            checksum = write(file)
         stat = path.stat()
-        self._checksums[name] = (stat.st_size, sink.checksum)
+        self._checksums[name] = (stat.st_size, checksum)
         self._signatures[name] = _stat_signature(stat)
-        _VERIFIED.add(_signature(path, stat, sink.checksum))  # known good: just written
+        _VERIFIED.add(_signature(path, stat, checksum))  # known good: just written
         return name
 
     def _mapped(self, name: str) -> pa.MemoryMappedFile:
@@ -597,16 +608,20 @@ class ArrowKeyedStateStore(KeyedStateStore):
                      hashes: np.ndarray | None = None) -> pa.Table:
         if hashes is None:
             hashes = hash_keys(table, self.layout.key)
-        elif len(hashes) != table.num_rows:
+        self._check_hashes(hashes, table.num_rows, what)
+        return table.append_column(_HASH, pa.array(hashes, pa.uint64()))
+
+    def _check_hashes(self, hashes: np.ndarray, num_rows: int, what: str) -> None:
+        """Refuse ``hashes`` that are not ``num_rows`` rows' of this store's key groups."""
+        if len(hashes) != num_rows:
             raise ValueError(f"local store {self.directory}: {len(hashes)} key hashes for "
-                             f"{table.num_rows} {what}")
+                             f"{num_rows} {what}")
         groups = hashes % np.uint64(self.layout.max_parallelism)
         outside = (groups < self.key_groups.start) | (groups > self.key_groups.end)
         if outside.any():
             raise ValueError(f"local store {self.directory} ({self.key_groups}): {what} hold "
                              f"{int(outside.sum())} key(s) of other key groups, e.g. key group "
                              f"{int(groups[outside][0])}; route rows by key group first")
-        return table.append_column(_HASH, pa.array(hashes, pa.uint64()))
 
     def apply(self, upserts: pa.Table, deletes: pa.Table, *, version: str | None = None,
               upsert_hashes: np.ndarray | None = None) -> None:
@@ -683,9 +698,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         hashes = _numpy(rows.column(_HASH)) if rows.num_rows else np.zeros(0, np.uint64)
         groups = self._groups_of(hashes)
         # a full snapshot (or a change file) comes in (key group, hash) order already
-        in_order = bool(np.all((groups[1:] > groups[:-1])
-                               | ((groups[1:] == groups[:-1]) & (hashes[1:] >= hashes[:-1]))))
-        if not in_order:
+        if not _in_store_order(groups, hashes):
             order = group_hash_order(groups, hashes)
             rows, groups = rows.take(pa.array(order)), groups[order]
         offsets = np.searchsorted(groups, np.arange(len(self.key_groups) + 1))
@@ -707,13 +720,58 @@ class ArrowKeyedStateStore(KeyedStateStore):
                    self.layout.key_schema.empty_table() if deletes is None else deletes,
                    version=version)
 
+    def load_sorted(self, schema: pa.Schema, num_rows: int, column: Callable[[int], pa.Array],
+                    key_hashes: np.ndarray, *, version: str | None = None) -> None:
+        """``load`` of ``num_rows`` rows of ``schema`` (the stored columns) already in the
+        segment's (key group, hash) order, their key hashes ``key_hashes``, each column given
+        when asked (``column(i)``: the ``i``-th, one array; asked once each, in order): the
+        segment is written a column at a time (``write_one_batch``), so that one column is
+        whole in memory at once, not the rows (a rebuild's winners, kept on disk as its
+        slices are replayed). The same segment file ``load`` writes for these rows."""
+        self._looked_up = None
+        self._check_hashes(key_hashes, num_rows, "rows")
+        groups = self._groups_of(key_hashes)
+        if not _in_store_order(groups, key_hashes):
+            raise ValueError(f"local store {self.directory}: rows to load in order are not in "
+                             "(key group, hash) order")
+        offsets = np.searchsorted(groups, np.arange(len(self.key_groups) + 1))
+        del groups
+        if not num_rows or not fixed_buffer_counts(schema):  # (view types: written whole)
+            self.load(pa.Table.from_arrays([column(i) for i in range(len(schema))] if num_rows
+                                           else schema.empty_table().columns, schema=schema),
+                      version=version, key_hashes=key_hashes)
+            return
+        # the schema ``load`` gives such rows (conformed), and the hashes
+        stored = self.layout.conform(schema.empty_table(),
+                                     f"local store {self.directory}: rows").schema
+        if stored.names != schema.names:
+            raise ValueError(f"local store {self.directory}: rows to load in order have the "
+                             f"columns {schema.names}, not the stored {stored.names}")
+
+        def segment_column(i: int) -> pa.Array:
+            if i == len(stored):
+                return pa.array(key_hashes, pa.uint64())
+            array = column(i)
+            return array if array.type.equals(stored.field(i).type) else \
+                array.cast(stored.field(i).type)
+
+        name = self._write_file("segment", lambda file: write_one_batch(
+            file, stored.append(pa.field(_HASH, pa.uint64())), num_rows, segment_column))
+        self._install_segment(name, offsets, num_rows, version)
+
     def _write_segment(self, table: pa.Table, offsets: np.ndarray,
                        version: str | None) -> None:
         """Make ``table`` (segment schema, (key group, hash) order) the segment, no runs."""
+        self._install_segment(self._write_arrow("segment", table), offsets, table.num_rows,
+                              version)
+
+    def _install_segment(self, name: str, offsets: np.ndarray, num_rows: int,
+                         version: str | None) -> None:
+        """Make the segment file ``name`` (just written) the store's, no runs."""
         self._version = version
-        self._rows = table.num_rows
+        self._rows = num_rows
         self._runs = []
-        self._map_segment(self._write_arrow("segment", table), np.asarray(offsets, np.int64))
+        self._map_segment(name, np.asarray(offsets, np.int64))
         self._write_manifest()
         self._remove_unnamed()
 
@@ -804,6 +862,13 @@ class _Run:
     table: pa.Table
     hashes: np.ndarray
     deleted: np.ndarray
+
+
+def _in_store_order(groups: np.ndarray, hashes: np.ndarray) -> bool:
+    """Whether rows of key ``groups`` and ``hashes`` are in a segment's (key group, hash)
+    order."""
+    return bool(np.all((groups[1:] > groups[:-1])
+                       | ((groups[1:] == groups[:-1]) & (hashes[1:] >= hashes[:-1]))))
 
 
 def _one_chunk(column: pa.ChunkedArray) -> pa.Array:

@@ -428,3 +428,69 @@ def test_files_out_of_key_group_order_are_sorted_before_they_are_sliced(job, tmp
 
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()
+
+
+def test_a_rebuilt_segment_is_the_file_a_load_of_its_rows_writes(job, tmp_path, monkeypatch):
+    """The segment a rebuild writes a column at a time from its slices' winners (kept on disk)
+    is, byte for byte, the file ``load`` writes for the same rows (made one chunk a column,
+    written by Arrow: what the rebuild did before), with the same key group offsets."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 6_000, 4, monkeypatch)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 700)
+    before = set(tmp_path.iterdir())
+    rebuilt = rebuild_store(tmp_path / "rebuilt", WIDE, key_groups, [chain], "v")
+    # the slices' files on disk were unnamed: nothing is left beside the store
+    assert set(tmp_path.iterdir()) - before == {tmp_path / "rebuilt"}
+    loaded = ArrowKeyedStateStore(tmp_path / "loaded", WIDE, key_groups)
+    rows = replay_chains([chain], WIDE, key_groups)  # as the rebuild replays them: its schema
+    loaded.load(pa.Table.from_arrays(rows.columns, schema=_rebuild._replay_schema(WIDE)),
+                version="v")
+    assert [(s.directory / s._segment_file).read_bytes() for s in (rebuilt, loaded)] == [
+        (loaded.directory / loaded._segment_file).read_bytes()] * 2
+    assert rebuilt._offsets.tolist() == loaded._offsets.tolist()
+    assert rebuilt.num_rows == loaded.num_rows > 0
+    rebuilt.close()
+    loaded.close()
+
+
+def test_the_rebuild_never_holds_all_its_winners(job, tmp_path, monkeypatch):
+    """The slices' winners are kept on disk until the segment's write, which makes one column
+    one chunk at a time (beside the key hashes): Arrow's peak during a rebuild of many
+    slices stays well below the state it rebuilds (it held all the winners, and a column
+    made one chunk: more than the state)."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 2, monkeypatch)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
+    pa.set_memory_pool(pool)
+    try:
+        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+    finally:
+        pa.set_memory_pool(previous)
+    state = store._segment.nbytes
+    assert pool.max_memory() < state * 3 // 4, (pool.max_memory(), state)
+    assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
+    store.close()
+
+
+def test_the_rebuild_never_holds_the_change_files_later_slices(job, tmp_path, monkeypatch):
+    """The change files are decoded once, one at a time, and each slice's part of them waits
+    on disk for its slice: Arrow's peak stays well below the change files' decoded rows (it
+    held their parts of every later slice at once: at the worst point of a 4M-row range,
+    3.9M rows, about its state, from the first slice on)."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 20_000, 20, monkeypatch)
+    changes = sum(_chain._read(h, WIDE, _chain._CHANGE, key_groups, None).nbytes
+                  for h in chain.changes)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 2_500)
+    previous = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
+    pa.set_memory_pool(pool)
+    try:
+        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+    finally:
+        pa.set_memory_pool(previous)
+    assert pool.max_memory() < changes // 2, (pool.max_memory(), changes)
+    assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
+    store.close()

@@ -315,33 +315,41 @@ def class_archive_options() -> str:
 
 def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4,
                     maintenance_interval: str = "2s", no_data_batches: bool = True,
-                    driver_java_options: str | None = None, conf: dict | None = None):
+                    driver_java_options: str | None = None, conf: dict | None = None,
+                    on_context=None):
     """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
     with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
     benchmarks compare with this, so they build it one way (``driver_java_options``: the
     driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, and ``conf``, e.g. ``LOCAL_SESSION_CONF``,
-    for both systems alike)."""
+    for both systems alike). ``on_context(context)``: called once the SparkContext exists,
+    before the session is built on it, as ``resources.build_spark_session`` does (ours'
+    workers' warm-up); the session's settings are the same either way."""
     import sys
 
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
+    options = {"spark.driver.extraJavaOptions": driver_java_options} if driver_java_options \
+        else {}
+    options |= (conf or {}) | {
+        "spark.master": "local[2]",
+        "spark.app.name": app,
+        "spark.sql.shuffle.partitions": str(shuffle_partitions),
+        "spark.ui.enabled": "false",
+        "spark.driver.memory": "6g",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.streaming.stateStore.providerClass":
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
+        "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
+        "spark.sql.streaming.stateStore.minDeltasForSnapshot": str(ss_min_deltas),
+        "spark.sql.streaming.stateStore.maintenanceInterval": maintenance_interval,
+        "spark.sql.streaming.noDataMicroBatches.enabled": str(no_data_batches).lower(),
+    }  # fmt: skip
+    if on_context is not None:
+        # what the builder's getOrCreate does first: the context from a SparkConf of its options
+        on_context(SparkContext.getOrCreate(SparkConf().setAll(list(options.items()))))
     builder = SparkSession.builder
-    if driver_java_options:
-        builder = builder.config("spark.driver.extraJavaOptions", driver_java_options)
-    for key, value in (conf or {}).items():
+    for key, value in options.items():
         builder = builder.config(key, value)
-    return (
-        builder.master("local[2]").appName(app)
-        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.memory", "6g")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.stateStore.providerClass",
-                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
-        .config("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled", "true")
-        .config("spark.sql.streaming.stateStore.minDeltasForSnapshot", str(ss_min_deltas))
-        .config("spark.sql.streaming.stateStore.maintenanceInterval", maintenance_interval)
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", str(no_data_batches).lower())
-        .getOrCreate()
-    )  # fmt: skip
+    return builder.getOrCreate()

@@ -293,16 +293,16 @@ def kind_of(system: str, path: str) -> str:
 # --- workers (one process each) -------------------------------------------------------------
 
 
-def _spark(app: str, ss_min_deltas: int):
+def _spark(app: str, ss_min_deltas: int, on_context=None):
     # peak RSS measures what each system needs, not how much heap G1 left committed; both
     # JVMs map the project's class archive when it exists (pipelines.class_archive: our
     # sessions' JVMs do; given to SS's too, so that neither system's start is the other's
-    # JVM setting)
+    # JVM setting). ``on_context``: ours' warm-up, once the context exists (_SessionStart).
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
                            maintenance_interval=SS_MAINTENANCE_INTERVAL,
                            driver_java_options=(f"{G1_RETURNS_IDLE_HEAP} "
                                                 f"{class_archive_options()}").strip(),
-                           conf=LOCAL_SESSION_CONF | SERIALIZER_RESETS)
+                           conf=LOCAL_SESSION_CONF | SERIALIZER_RESETS, on_context=on_context)
 
 
 def _ss_query(spark, feed: Path, checkpoint: Path):
@@ -480,9 +480,11 @@ def worker_run(args, system: System) -> None:
 
 
 class _SessionStart(threading.Thread):
-    """Ours' session started in the background, then its workers' warm-up, as
-    ``SparkResource.start`` does: the warm-up's job (the Python daemon's start, its workers'
-    fork) runs beside the JVM's first SessionState and the runner's restore."""
+    """Ours' session started in the background, its workers' warm-up started as soon as its
+    SparkContext exists, as ``SparkResource.start`` does: the warm-up's job (the Python
+    daemon's start, its workers' fork) runs beside the session's build and the runner's
+    restore. The session's settings are SS's: only the moment the context is made apart
+    from the session differs, which is the builder's own first step."""
 
     def __init__(self, app: str, ss_min_deltas: int) -> None:
         super().__init__(name="spark-session-start", daemon=True)
@@ -491,11 +493,15 @@ class _SessionStart(threading.Thread):
         self.stamps: dict[str, float] = {}
 
     def run(self) -> None:
-        self.session = _spark(self.app, self.ss_min_deltas)
-        self.stamps["session_built"] = time.time()
-        from pipelines.warm_up import warm_up_workers
+        def warm_up(context) -> None:
+            self.stamps["context_started"] = time.time()
+            # imported here, not before the JVM's launch (the main thread has it by now)
+            from pipelines.warm_up import warm_up_workers
 
-        warm_up_workers(self.session)
+            warm_up_workers(context)
+
+        self.session = _spark(self.app, self.ss_min_deltas, on_context=warm_up)
+        self.stamps["session_built"] = time.time()
 
 
 def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
@@ -510,10 +516,10 @@ def worker_recover(args, system_name: str, data: Path, work: Path) -> None:
     session = None
     if system_name == "ours":
         # As a restart through the product does (``SparkResource.start`` in ``pipelines.main``):
-        # the JVM starts in the background, and the workers' warm-up as soon as the session
-        # exists, while the driver imports the pipeline's modules and starts the prefetch;
-        # ``System`` below is handed that session. SS's worker has nothing to overlap with
-        # its session's start, and no Python workers.
+        # the JVM starts in the background, and the workers' warm-up as soon as its
+        # SparkContext exists, while the driver imports the pipeline's modules and starts the
+        # prefetch; ``System`` below is handed that session. SS's worker has nothing to
+        # overlap with its session's start, and no Python workers.
         import pyspark.sql  # noqa: F401  (here: the JVM's launch waits for no other import)
 
         session_start = _SessionStart(f"state_growth-{system_name}", args.ss_min_deltas)

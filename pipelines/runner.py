@@ -296,7 +296,7 @@ class StatefulRunner(Restoring, CheckpointWriting):
         origin, states, position = self._starting_point(partitions[0], restore_from, restore_mode)
         # the first batch's workers start while the driver plans it (a run whose restore
         # fails does no Spark work)
-        warm_up_workers(self.spark)
+        warm_up_workers(self.spark.sparkContext)
         if on_progress is not None:
             on_progress(
                 f"restored {origin} ({position})" if origin else "starting from empty state"

@@ -17,8 +17,11 @@ to theirs: the warm-up's function is given them (``_QUERY_WORKER_ENV``), so its 
 the ones the batch's ``mapInArrow`` reuse (``tests/pipelines/test_warm_up.py`` checks it).
 
 ``StatefulRunner.run`` starts it (a session of the runner's user, e.g. a benchmark's, gets it
-too), and so does ``SparkResource.start`` as soon as its session exists; one per
-SparkContext, whoever asks first. Nothing waits for it; a failure is logged and ignored (the
+too), and so does ``SparkResource.start`` as soon as its SparkContext exists, before the
+session is built on it (``build_spark_session(on_context=...)``): the daemon's start then
+overlaps the session's, where it had waited for it and delayed a restart's first job
+(docs/benchmarks.md, "state_growth: the Python workers started with the SparkContext"); one
+per SparkContext, whoever asks first. Nothing waits for it; a failure is logged and ignored (the
 batch starts the workers itself, as before). Local masters only: a cluster's executors are
 long-lived and keep their workers between runs. Imports no Dagster: its tasks import this
 module in the workers.
@@ -60,34 +63,39 @@ def _start_worker(rows):
     yield from rows
 
 
-def warm_up_workers(session) -> threading.Thread | None:
-    """Start the warm-up job of ``session``'s SparkContext in a background thread, unless one
-    was started already (then that thread); None: not on this master, or stopped. It never
-    raises, and the caller never waits for it."""
+def warm_up_workers(context) -> threading.Thread | None:
+    """Start the warm-up job of the SparkContext ``context`` in a background thread, unless
+    one was started already (then that thread); None: not on this master, or stopped. It
+    never raises, and the caller never waits for it. It needs no SparkSession: a session
+    still being built on the context goes on beside it."""
     from pyspark import SparkContext
 
-    context = session.sparkContext
     if context is not SparkContext._active_spark_context or not context.master.startswith(
             "local"):
         return None  # stopped: nothing to warm up
     with _STARTED_LOCK:
         thread = _STARTED.get(context)
         if thread is None:
-            thread = threading.Thread(target=_run, args=(session,), name="spark-warm-up",
+            thread = threading.Thread(target=_run, args=(context,), name="spark-warm-up",
                                       daemon=True)
             _STARTED[context] = thread
             thread.start()
     return thread
 
 
-def _run(session) -> None:
-    context = session.sparkContext
+def _run(context) -> None:
     try:
         # This thread's jobs only (a job group is the thread's local property).
         context.setJobGroup(WARM_UP_GROUP, "Python workers started before the first batch",
                             interruptOnCancel=True)
+        # The SQL settings as the context's conf holds them (a session's builder options
+        # and spark-defaults are there): a session's ``conf`` would build its SessionState
+        # first, and the session may not exist yet. One py4j call each: ``getConf()``
+        # copies every entry, ~70 calls (0.05-0.4 s at load 14) before the job is
+        # submitted. A setting changed later on a session only makes its queries' workers
+        # another daemon's: the warm-up is then wasted, never wrong.
         env = {name: "1" for name, (setting, default) in _QUERY_WORKER_ENV.items()
-               if session.conf.get(setting, default).lower() == "true"}
+               if context._conf.get(setting, default).lower() == "true"}
         cores = context.defaultParallelism
         rows = context.parallelize(range(cores), cores).mapPartitions(_start_worker)
         # The function takes the context's environment when its JVM side is made: the

@@ -4,10 +4,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import PrivateAttr
+from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
 
 from pipelines import class_archive
@@ -80,12 +82,16 @@ def session_exists() -> bool:
 
 
 def build_spark_session(
-    master: str = "local[*]", app_name: str = "checkpointed-pipelines", conf: dict | None = None
+    master: str = "local[*]", app_name: str = "checkpointed-pipelines", conf: dict | None = None,
+    *, on_context: Callable[[SparkContext], object] | None = None,
 ) -> SparkSession:
     """The one way this project builds a session (Dagster resource, tests, benchmarks).
 
     Python workers run this interpreter unless ``spark.pyspark.python`` says otherwise, so
     that executors have the project's packages (pyarrow, fsspec, checkpoint_storage).
+    On a local master, ``on_context(context)`` is called once the session's SparkContext
+    exists, before the session is built on it (``SparkResource.start``: the Python workers'
+    warm-up, whose daemon then starts beside the session's build instead of after it).
     """
     settings = session_settings(master, conf)
     # Local-mode workers are forked from this process and read the environment variable.
@@ -95,9 +101,16 @@ def build_spark_session(
     missing = [p for p in SESSION_PYTHON_PATHS if p not in paths]
     if missing:
         os.environ["PYTHONPATH"] = os.pathsep.join([*paths, *missing])
-    builder = SparkSession.builder.master(master).appName(app_name)
-    for key, value in settings.items():
-        builder = builder.config(key, str(value))
+    options = {"spark.master": master, "spark.app.name": app_name} | {
+        key: str(value) for key, value in settings.items()}
+    if on_context is not None and master.startswith("local"):
+        # What the builder's getOrCreate does first (a SparkConf of its options, then the
+        # context), done here so that the caller gets the context before the session exists;
+        # the builder then takes this context, as it takes any running one.
+        on_context(SparkContext.getOrCreate(SparkConf().setAll(list(options.items()))))
+    builder = SparkSession.builder
+    for key, value in options.items():
+        builder = builder.config(key, value)
     return builder.getOrCreate()
 
 
@@ -112,17 +125,20 @@ class _Start(threading.Thread):
         self.setups: list = []  # those run on the session; the resource runs later ones
         self.warm_up: threading.Thread | None = None
 
+    def _warm_up(self, context: SparkContext) -> None:
+        self.warm_up = warm_up_workers(context)
+
     def run(self) -> None:
         # Ctrl-C is the main thread's (pipelines.main takes it with sigtimedwait, blocked in
         # every other thread): never delivered to this one.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.existed = session_exists()
-            session = build_spark_session(*self.args)
-            # The workers of the run's first batch, started while Dagster sets the run up, and
+            # The workers of the run's first batch, started while Dagster sets the run up and
+            # the session is built (a restart's first job waited for the daemon's start), and
             # before the setups: registering the ``checkpoint`` data source waits for a Python
             # process of Spark's own (its data source lookup) while a core is idle.
-            self.warm_up = warm_up_workers(session)
+            session = build_spark_session(*self.args, on_context=self._warm_up)
             for setup in list(SESSION_SETUPS):
                 setup(session)
                 self.setups.append(setup)

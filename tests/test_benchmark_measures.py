@@ -294,21 +294,68 @@ def test_ours_recovery_hands_its_started_session_to_the_runner(tmp_path, monkeyp
     assert system.spark is _StartedSession and _StartedSession.sparkContext.levels == ["ERROR"]
 
 
-def test_ours_recovery_warms_the_workers_up_as_soon_as_its_session_exists(monkeypatch):
+def test_ours_recovery_warms_the_workers_up_as_soon_as_its_context_exists(monkeypatch):
     """As ``SparkResource.start`` does: the workers' warm-up starts in the session's thread
-    once the session is built, not when the runner starts."""
+    once the session's SparkContext exists, before the session is built on it, not when
+    the runner starts (nor once the session is built: a restart's first job waited for
+    the Python daemon's start)."""
     import pipelines.warm_up
 
     events = []
-    monkeypatch.setattr(sg, "_spark", lambda app, deltas: events.append(("built", app))
-                        or _StartedSession)
+    context = object()
+
+    def spark(app, deltas, on_context=None):
+        events.append(("context", app))
+        on_context(context)
+        events.append(("built", app))
+        return _StartedSession
+
+    monkeypatch.setattr(sg, "_spark", spark)
     monkeypatch.setattr(pipelines.warm_up, "warm_up_workers",
-                        lambda session: events.append(("warm-up", session)))
+                        lambda started: events.append(("warm-up", started)))
     start = sg._SessionStart("state_growth-ours", 10)
     start.start()
     start.join(30)
-    assert events == [("built", "state_growth-ours"), ("warm-up", _StartedSession)]
-    assert start.session is _StartedSession and "session_built" in start.stamps
+    assert events == [("context", "state_growth-ours"), ("warm-up", context),
+                      ("built", "state_growth-ours")]
+    assert start.session is _StartedSession
+    assert start.stamps["context_started"] <= start.stamps["session_built"]
+
+
+def test_both_systems_sessions_get_the_same_settings(monkeypatch):
+    """``rocksdb_session`` with ``on_context`` (ours' recovery) makes the SparkContext from
+    the settings the builder gets, the builder's own first step, and the builder gets the
+    same settings as without it (SS's): only when the context is made differs."""
+    from _common import rocksdb_session
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    made, built = [], []
+
+    class Builder:
+        def __init__(self, options):
+            self.options = options
+
+        def config(self, key, value):
+            return Builder({**self.options, key: value})
+
+        def getOrCreate(self):  # noqa: N802
+            built.append(self.options)
+            return "session"
+
+    monkeypatch.setattr(SparkSession, "builder", Builder({}))
+    monkeypatch.setattr(SparkContext, "getOrCreate",
+                        classmethod(lambda cls, conf: made.append(dict(conf.getAll()))
+                                    or "context"))
+    contexts = []
+    arguments = dict(driver_java_options="-Xshare:auto", conf={"spark.a": "1"})
+    assert rocksdb_session("app", 10, **arguments) == "session" == rocksdb_session(
+        "app", 10, on_context=contexts.append, **arguments)
+    # the context's conf: the builder's options (and, with a JVM running, its defaults)
+    assert contexts == ["context"] and built[0] == built[1]
+    assert built[0].items() <= made[0].items()
+    assert built[0]["spark.master"] == "local[2]" and built[0]["spark.a"] == "1"
+    assert built[0]["spark.driver.extraJavaOptions"] == "-Xshare:auto"
 
 
 def test_the_benchmarks_give_a_jvm_the_projects_class_archive_as_the_product_does(

@@ -197,24 +197,40 @@ _WARM_UP_CHILD = textwrap.dedent("""
     at_setup = []
     on_session_created(lambda s: at_setup.append(s.sparkContext in warmup._STARTED))
 
+    # ... and once the session's SparkContext exists, before the session is built on it (the
+    # daemon's start beside the session's build): what a SparkSession finds as it is made.
+    from pyspark.sql import SparkSession
+    at_session = []
+    made = SparkSession.__init__
+
+    def recording(self, context, *args, **kwargs):
+        at_session.append(context in warmup._STARTED)
+        made(self, context, *args, **kwargs)
+
+    SparkSession.__init__ = recording
+
     resource = SparkResource(master="local[2]", app_name="warm", conf={"spark.ui.enabled": "false"})
     resource.start()
     session = resource.session
+    print("warm-up before the session", at_session[:1], flush=True)
     print("warm-up before the setups", at_setup, flush=True)
+    print("settings", session.conf.get("spark.ui.enabled"), session.sparkContext.appName,
+          flush=True)
     join_warm_up()
     rows = session.range(0, 2, 1, 2).mapInArrow(warmed, "id long, warmed boolean").collect()
     print("warmed", sorted(tuple(r) for r in rows), flush=True)
-    print("once", warmup.warm_up_workers(session) is warmup._STARTED.get(session.sparkContext),
-          flush=True)
+    print("once", warmup.warm_up_workers(session.sparkContext)
+          is warmup._STARTED.get(session.sparkContext), flush=True)
     resource.teardown_after_execution(None)
-    print("stopped", warmup.warm_up_workers(session),
+    print("stopped", warmup.warm_up_workers(session.sparkContext),
           SparkContext._active_spark_context is None, flush=True)
 """)
 
 
 @pytest.mark.timeout(300)
 def test_a_started_session_warms_up_its_python_workers():
-    """``SparkResource.start`` runs the warm-up after the session's start, before its setups
+    """``SparkResource.start`` runs the warm-up once the session's SparkContext exists,
+    before the session is built on it (with the resource's settings) and before its setups
     (the data source's registration): a query's tasks
     then run in workers the warm-up started, and a runner asking again gets that warm-up.
     On a stopped session there is none (and no new SparkContext). The runner's side, and a
@@ -222,8 +238,10 @@ def test_a_started_session_warms_up_its_python_workers():
     done = subprocess.run([sys.executable, "-c", _WARM_UP_CHILD], capture_output=True,
                           text=True, timeout=280)
     lines = [ln for ln in done.stdout.splitlines()
-             if ln.startswith(("warm-up", "warmed", "once", "stop"))]
-    assert ["warm-up before the setups [True]",
+             if ln.startswith(("warm-up", "settings", "warmed", "once", "stop"))]
+    assert ["warm-up before the session [True]",
+            "warm-up before the setups [True]",
+            "settings false warm",
             "warmed [(0, True), (1, True)]",
             "once True",
             "stopped None True"] == lines, done.stdout[-2000:] + done.stderr[-3000:]

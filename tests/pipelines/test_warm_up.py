@@ -73,16 +73,18 @@ _WARMED = _PRELUDE + textwrap.dedent("""
             return super().pop(*args)
 
     shared = spark.sparkContext.environment = Recording(spark.sparkContext.environment)
-    thread = warm_up.warm_up_workers(spark)
+    thread = warm_up.warm_up_workers(spark.sparkContext)
     thread.join()
     print("the shared environment", Recording.changes, spark.sparkContext.environment is shared,
           flush=True)
     print("exact", first_partition(spark), flush=True)
     print("in warmed workers", sorted({m.read_text() for m in marks.iterdir()}), flush=True)
-    print("the runner's is the session's", warm_up.warm_up_workers(spark) is thread,
+    print("the runner's is the session's",
+          warm_up.warm_up_workers(spark.sparkContext) is thread,
           warm_up_jobs(spark), flush=True)
     spark.stop()
-    print("stopped", warm_up.warm_up_workers(spark), SparkContext._active_spark_context,
+    print("stopped", warm_up.warm_up_workers(spark.sparkContext),
+          SparkContext._active_spark_context,
           flush=True)
 """)
 

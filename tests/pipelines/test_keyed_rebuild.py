@@ -34,6 +34,7 @@ from tests.pipelines.support import (
     Job,
     as_model,
     clicks_table,
+    counting_pool,
     deletes,
     store_state,
 )
@@ -309,15 +310,9 @@ def test_the_rebuild_never_holds_the_chain_and_all_winners_at_once(job, tmp_path
     chain = _chain_of_many_files(job, 50_000, 10)
     decoded = sum(_chain._read(h, LAYOUT, _chain._CHANGE, ALL, None).nbytes
                   for h in chain.changes)
-    previous = pa.default_memory_pool()
-    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
-    pa.set_memory_pool(pool)
-    try:
-        store = rebuild_store(tmp_path / "store", LAYOUT, ALL, [chain], "v")
-    finally:
-        pa.set_memory_pool(previous)
+    store, peak = _rebuilt_counting(tmp_path, LAYOUT, ALL, chain)
     winners = store._segment.nbytes
-    assert pool.max_memory() < decoded + winners, (pool.max_memory(), decoded, winners)
+    assert peak < decoded + winners, (peak, decoded, winners)
     assert as_model(replay_chains([chain], LAYOUT, ALL)) == store_state(store)
     store.close()
 
@@ -461,15 +456,9 @@ def test_the_rebuild_never_holds_all_its_winners(job, tmp_path, monkeypatch):
     key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
     chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 2, monkeypatch)
     monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
-    previous = pa.default_memory_pool()
-    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
-    pa.set_memory_pool(pool)
-    try:
-        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
-    finally:
-        pa.set_memory_pool(previous)
+    store, peak = _rebuilt_counting(tmp_path, WIDE, key_groups, chain)
     state = store._segment.nbytes
-    assert pool.max_memory() < state * 3 // 4, (pool.max_memory(), state)
+    assert peak < state * 3 // 4, (peak, state)
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()
 
@@ -484,13 +473,18 @@ def test_the_rebuild_never_holds_the_change_files_later_slices(job, tmp_path, mo
     changes = sum(_chain._read(h, WIDE, _chain._CHANGE, key_groups, None).nbytes
                   for h in chain.changes)
     monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 2_500)
-    previous = pa.default_memory_pool()
-    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
-    pa.set_memory_pool(pool)
-    try:
-        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
-    finally:
-        pa.set_memory_pool(previous)
-    assert pool.max_memory() < changes // 2, (pool.max_memory(), changes)
+    store, peak = _rebuilt_counting(tmp_path, WIDE, key_groups, chain)
+    assert peak < changes // 2, (peak, changes)
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()
+
+
+def _rebuilt_counting(tmp_path, layout, key_groups, chain):
+    """``chain`` rebuilt into a store at ``tmp_path``, and the peak of what the rebuild alone
+    allocated in Arrow."""
+    previous, pool = counting_pool()
+    try:
+        store = rebuild_store(tmp_path / "store", layout, key_groups, [chain], "v")
+    finally:
+        pa.set_memory_pool(previous)
+    return store, pool.max_memory()

@@ -531,11 +531,16 @@ class ArrowKeyedStateStore(KeyedStateStore):
         in at their places."""
         if not self._runs:
             return self._segment, self._offsets
+        return self._merged(*self._changes_and_replaced())
+
+    def _changes_and_replaced(self) -> tuple[pa.Table, np.ndarray]:
+        """The runs' latest changes (``_latest_changes``) and the segment rows of their keys,
+        the search's mapped pages handed back (what follows reads the segment in parts)."""
         changes = self._latest_changes()
         hashes = _numpy(changes.column(_HASH)) if changes.num_rows else np.zeros(0, np.uint64)
         replaced, _ = self._find_in_segment(changes.select(list(self.layout.key)), hashes)
-        self._drop_mapped_pages()  # the search's: the merge reads the segment column by column
-        return self._merged(changes, replaced)
+        self._drop_mapped_pages()
+        return changes, replaced
 
     def _merged(self, changes: pa.Table, replaced: np.ndarray) -> tuple[pa.Table, np.ndarray]:
         """The segment with ``changes`` (run schema, each key once) merged in: without its
@@ -617,12 +622,7 @@ class ArrowKeyedStateStore(KeyedStateStore):
         names = [*self.layout.stored_schema.names]
         index, offsets, changes = None, self._offsets, None
         if self._runs:
-            changes = self._latest_changes()
-            hashes = _numpy(changes.column(_HASH)) if changes.num_rows else \
-                np.zeros(0, np.uint64)
-            replaced, _ = self._find_in_segment(changes.select(list(self.layout.key)), hashes)
-            self._drop_mapped_pages()
-            del hashes
+            changes, replaced = self._changes_and_replaced()
             index, offsets = self._merge_index(changes, replaced)
             del replaced
             changes = changes.select(names)

@@ -38,7 +38,9 @@ from pipelines.keyed._key_groups import (
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout
 from pipelines.keyed._local_stores import local_store_directory, sweep_idle_stores
 from pipelines.keyed._stage import TimeMode, Watermark
-from pipelines.keyed._store import ArrowKeyedStateStore, KeyedStateStore, LocalStoreError
+from pipelines.keyed._store import ArrowKeyedStateStore
+from pipelines.keyed._store_base import KeyedStateStore
+from pipelines.keyed._store_directory import LocalStoreError
 from pipelines.keyed._variables import ListState, MapState, StateChanges, ValueState
 
 __all__ = [

@@ -49,13 +49,13 @@ from pipelines.keyed._evolution import evolve_table
 from pipelines.keyed._key_groups import (
     KeyGroupRange,
     compute_key_group_range_for_operator_index,
+    group_hash_order,
     hash_keys,
     in_group_hash_order,
     last_per_key,
 )
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
 from pipelines.keyed._stage import StateTtl, TtlTimeCharacteristic
-from pipelines.keyed._store import group_hash_order
 
 __all__ = [
     "CHAIN_FORMAT",

@@ -29,12 +29,8 @@ from pipelines.keyed._key_groups import (
 )
 from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._rebuild import rebuild_store
-from pipelines.keyed._store import (
-    ArrowKeyedStateStore,
-    LocalStoreError,
-    remove_store,
-    stored_version,
-)
+from pipelines.keyed._store import ArrowKeyedStateStore
+from pipelines.keyed._store_directory import LocalStoreError, remove_store, stored_version
 from pipelines.keyed._task import (
     KeyedStageTask,
     chain_version,

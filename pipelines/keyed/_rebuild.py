@@ -30,9 +30,10 @@ from pipelines.keyed._chain import (
     KeyedStateFormatError,
     _open,
 )
-from pipelines.keyed._key_groups import KeyGroupRange, hash_keys, last_per_key
+from pipelines.keyed._key_groups import KeyGroupRange, group_hash_order, hash_keys, last_per_key
 from pipelines.keyed._layout import KEY_GROUP, KeyedStateLayout, concat_as
-from pipelines.keyed._store import ArrowKeyedStateStore, group_hash_order, remove_store
+from pipelines.keyed._store import ArrowKeyedStateStore
+from pipelines.keyed._store_directory import remove_store
 
 __all__ = ["rebuild_store"]
 

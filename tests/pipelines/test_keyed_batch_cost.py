@@ -18,7 +18,7 @@ from pipelines.keyed import (
     KeyedStageTask,
     KeyedStateChain,
     LocalStoreError,
-    _store,
+    _store_verification,
     apply_keyed_batch,
     compute_key_group_range_for_operator_index,
     extend_chains,
@@ -198,7 +198,7 @@ def test_what_a_power_loss_leaves_is_refused_or_stale(tmp_path, one_range, loss)
         manifest.write_bytes(b"")
     else:
         manifest.write_bytes(before)
-    _store._VERIFIED.clear()  # a new process after the power loss
+    _store_verification._VERIFIED.clear()  # a new process after the power loss
     if loss == "manifest rename lost":
         reopened = ArrowKeyedStateStore(directory, task.layout, key_groups)
         assert ("v1", ROWS) == (reopened.version, store_state(reopened))

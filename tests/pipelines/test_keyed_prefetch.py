@@ -10,7 +10,8 @@ from pyspark import cloudpickle
 
 from checkpoint_storage import FileSystemCheckpointStorage
 from pipelines import FullSnapshotPolicy, StatefulRunner, prefetch_local_stores
-from pipelines.keyed._store import ArrowKeyedStateStore, stored_version
+from pipelines.keyed._store import ArrowKeyedStateStore
+from pipelines.keyed._store_directory import stored_version
 from tests.pipelines.support import expected, state_of, storage_of, totals_pipeline
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

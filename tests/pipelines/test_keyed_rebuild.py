@@ -311,7 +311,7 @@ def test_the_rebuild_never_holds_the_chain_and_all_winners_at_once(job, tmp_path
     decoded = sum(_chain._read(h, LAYOUT, _chain._CHANGE, ALL, None).nbytes
                   for h in chain.changes)
     store, peak = _rebuilt_counting(tmp_path, LAYOUT, ALL, chain)
-    winners = store._segment.nbytes
+    winners = store._segment.table.nbytes
     assert peak < decoded + winners, (peak, decoded, winners)
     assert as_model(replay_chains([chain], LAYOUT, ALL)) == store_state(store)
     store.close()
@@ -379,9 +379,10 @@ def test_a_store_rebuilt_in_slices_is_the_store_rebuilt_whole(job, tmp_path, mon
                                     "v"))
     whole, sliced = stores
     segment_bytes = [(s.directory / s._segment_file).read_bytes() for s in stores]
-    assert sliced._segment.equals(whole._segment)
-    assert sliced._offsets.tolist() == whole._offsets.tolist()
-    assert [1] * len(whole._segment.columns) == [c.num_chunks for c in sliced._segment.columns]
+    assert sliced._segment.table.equals(whole._segment.table)
+    assert sliced._segment.offsets.tolist() == whole._segment.offsets.tolist()
+    assert [1] * len(whole._segment.table.columns) == [
+        c.num_chunks for c in sliced._segment.table.columns]
     assert segment_bytes[0] == segment_bytes[1]
     assert as_model(replay_chains([chain], WIDE, wanted)) == store_state(sliced)
 
@@ -442,7 +443,7 @@ def test_a_rebuilt_segment_is_the_file_a_load_of_its_rows_writes(job, tmp_path, 
                 version="v")
     assert [(s.directory / s._segment_file).read_bytes() for s in (rebuilt, loaded)] == [
         (loaded.directory / loaded._segment_file).read_bytes()] * 2
-    assert rebuilt._offsets.tolist() == loaded._offsets.tolist()
+    assert rebuilt._segment.offsets.tolist() == loaded._segment.offsets.tolist()
     assert rebuilt.num_rows == loaded.num_rows > 0
     rebuilt.close()
     loaded.close()
@@ -457,7 +458,7 @@ def test_the_rebuild_never_holds_all_its_winners(job, tmp_path, monkeypatch):
     chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 2, monkeypatch)
     monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
     store, peak = _rebuilt_counting(tmp_path, WIDE, key_groups, chain)
-    state = store._segment.nbytes
+    state = store._segment.table.nbytes
     assert peak < state * 3 // 4, (peak, state)
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
     store.close()

@@ -87,7 +87,7 @@ def test_load_sorted_writes_the_file_load_writes(tmp_path, rows):
     state = {f"user_{i}": i for i in range(rows)}
     reference = ArrowKeyedStateStore(tmp_path / "load", layout, everything)
     reference.load(clicks_table(state), version="v")
-    ordered = reference._segment.select(layout.stored_schema.names)
+    ordered = reference._segment.table.select(layout.stored_schema.names)
     store = ArrowKeyedStateStore(tmp_path / "sorted", layout, everything)
     store.load_sorted(clicks_table(state).schema, ordered.num_rows,
                       lambda i: ordered.column(i).combine_chunks(),

@@ -127,7 +127,7 @@ def test_a_full_snapshot_of_a_store_with_runs_holds_a_batch_not_the_state(tmp_pa
     (1.03x) by its end."""
     store = _store_with_runs(tmp_path, 2)
     job = Job(tmp_path / "job")
-    segment_bytes = store._checksums[store._segment_file][0]
+    segment_bytes = store._files.checksums[store._segment_file][0]
     previous, proxy = counting_pool()
     try:
         held = proxy.bytes_allocated()
@@ -151,8 +151,8 @@ def test_a_merge_hands_the_old_segments_pages_back_as_it_reads_them(tmp_path):
     store = _store_with_runs(tmp_path, 2)
     try:
         expected = pa.Table.from_batches(list(store.sorted_batches()))
-        segment_bytes = store._checksums[store._segment_file][0]
-        store._drop_mapped_pages()
+        segment_bytes = store._files.checksums[store._segment_file][0]
+        store._files.drop_mapped_pages()
         pages = _FilePeak()
         store.apply(_rows(np.arange(ROWS + 50_000, ROWS + 60_000), 9),
                     pa.table({"user": pa.array([], pa.string())}), version="merged")

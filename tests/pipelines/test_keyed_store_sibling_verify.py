@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.keyed import ArrowKeyedStateStore, _store
+from pipelines.keyed import ArrowKeyedStateStore, _store_files, _store_verification
 from tests.pipelines.support import ALL, LAYOUT, store_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ SIBLING = """
 import datetime as dt, json, sys
 from pathlib import Path
 import pyarrow as pa
-from pipelines.keyed import _store, _store_verification
+from pipelines.keyed import _store, _store_files, _store_verification
 from pipelines.keyed._key_groups import KeyGroupRange
 from pipelines.keyed._layout import KeyedStateLayout
 
@@ -46,11 +46,11 @@ def table(model):
 
 no_keys = pa.table({"user": pa.array([], pa.string())})
 hashed = []
-real = _store._file_checksum
-_store._file_checksum = lambda path: hashed.append(path.name.split("-")[0]) or real(path)
+real = _store_files._file_checksum
+_store_files._file_checksum = lambda path: hashed.append(path.name.split("-")[0]) or real(path)
 if action == "another-executor":  # another parent, or the same after a reboot
     # both: the store records it in the manifests it writes, the check compares with it
-    _store._executor_identity = _store_verification._executor_identity = (
+    _store_files._executor_identity = _store_verification._executor_identity = (
         lambda: "another-boot-id/4242/17")
 try:
     store = _store.ArrowKeyedStateStore(directory, layout, every,
@@ -99,13 +99,14 @@ def test_another_executor_or_a_reboot_hashes_every_file(written):
     and this process (the siblings' parent, not their sibling) each hash both files."""
     assert sorted(sibling(written, "another-executor")["hashed"]) == ["run", "segment"]
     hashed = []
-    real = _store._file_checksum
-    _store._VERIFIED.clear()
+    real = _store_files._file_checksum
+    _store_verification._VERIFIED.clear()
     try:
-        _store._file_checksum = lambda path: hashed.append(path.name.split("-")[0]) or real(path)
+        _store_files._file_checksum = lambda path: (hashed.append(path.name.split("-")[0])
+                                                    or real(path))
         store = ArrowKeyedStateStore(written, LAYOUT, ALL)
     finally:
-        _store._file_checksum = real
+        _store_files._file_checksum = real
     assert (sorted(hashed), store_state(store)) == (["run", "segment"],
                                                     CLICKS | {"user_0": 5})
 

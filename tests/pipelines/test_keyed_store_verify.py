@@ -15,7 +15,13 @@ import pytest
 from pyspark import cloudpickle
 
 from pipelines import FullSnapshotPolicy, StatefulRunner, read_state
-from pipelines.keyed import ArrowKeyedStateStore, LocalStoreError, _store, remove_store
+from pipelines.keyed import (
+    ArrowKeyedStateStore,
+    LocalStoreError,
+    _store_files,
+    _store_verification,
+    remove_store,
+)
 from tests.pipelines.support import (
     ALL,
     LAYOUT,
@@ -76,7 +82,7 @@ def store_dir(tmp_path) -> Path:
 
 
 def reopen_fails_naming(directory: Path, path: Path) -> str:
-    _store._VERIFIED.clear()  # as a new process: nothing verified yet
+    _store_verification._VERIFIED.clear()  # as a new process: nothing verified yet
     with pytest.raises(LocalStoreError) as raised:
         ArrowKeyedStateStore(directory, LAYOUT, ALL)
     assert str(path) in str(raised.value)
@@ -85,7 +91,7 @@ def reopen_fails_naming(directory: Path, path: Path) -> str:
 
 def test_an_intact_store_reopens_with_its_state(store_dir):
     """The control: nothing damaged, the store opens with its state and version."""
-    _store._VERIFIED.clear()
+    _store_verification._VERIFIED.clear()
     store = ArrowKeyedStateStore(store_dir, LAYOUT, ALL)
     assert (CLICKS | {"user_0": 5_550_001}, "v2") == (store_state(store), store.version)
 
@@ -172,7 +178,7 @@ def test_a_stale_copy_of_the_directory_is_never_taken_for_the_current_state(stor
 
     shutil.rmtree(store_dir)
     shutil.copytree(backup, store_dir)
-    _store._VERIFIED.clear()
+    _store_verification._VERIFIED.clear()
     stale = ArrowKeyedStateStore(store_dir, LAYOUT, ALL)
     assert ("v2", CLICKS["user_1"]) == (stale.version, store_state(stale)["user_1"])
 
@@ -196,10 +202,10 @@ def test_a_file_is_hashed_once_per_process_while_unchanged(store_dir, monkeypatc
     process; a write to a file, even one that puts its mtime back, is hashed again and
     refused."""
     hashed = []
-    real = _store._file_checksum
-    monkeypatch.setattr(_store, "_file_checksum", lambda path: hashed.append(path.name)
+    real = _store_files._file_checksum
+    monkeypatch.setattr(_store_files, "_file_checksum", lambda path: hashed.append(path.name)
                         or real(path))
-    _store._VERIFIED.clear()
+    _store_verification._VERIFIED.clear()
     ArrowKeyedStateStore(store_dir, LAYOUT, ALL).close()
     first = len(hashed)
     store = ArrowKeyedStateStore(store_dir, LAYOUT, ALL)

@@ -291,19 +291,33 @@ class ArrowKeyedStateStore(KeyedStateStore):
         keys = keys.group_by(list(self.layout.key)).aggregate([])  # each key once
         hashes = hash_keys(keys, self.layout.key)
         source, row = self._resolve(keys, hashes)
+        self._files.drop_mapped_pages()  # the search's (hashes, key columns): read no more
         self._looked_up = (keys, hashes, source, row)
         live = self._live(source, row)
-        parts = [self._segment.table.take(pa.array(row[live & (source == _IN_SEGMENT)]))]
+        names = self.layout.stored_schema.names
+        parts = [self._segment_rows(row[live & (source == _IN_SEGMENT)])]
         for index in np.unique(source[live & (source >= 0)]).tolist():
-            parts.append(self._runs[index].table.take(
+            parts.append(self._runs[index].table.select(names).take(
                 pa.array(row[live & (source == index)])))
-        result = concat_as(self.layout.stored_schema,
-                           [part.select(self.layout.stored_schema.names) for part in parts])
+        result = concat_as(self.layout.stored_schema, parts)
         if cutoff is not None and self.layout.ttl is not None:
             result = self.layout.ttl.live(result, cutoff)
         del parts
         self._files.drop_mapped_pages()  # the result is a copy (takes): it holds no mapped page
         return result
+
+    def _segment_rows(self, rows: np.ndarray) -> pa.Table:
+        """The segment's ``rows`` (the stored columns), taken a column at a time, each
+        column's mapped pages handed back before the next column's: a steady batch's keys
+        touch pages of every column (40,000 keys of a 4M-row range: the whole segment
+        resident, +290 MiB a worker beside the batch), now of one column at once."""
+        index = pa.array(rows)
+        columns = []
+        for name in self.layout.stored_schema.names:
+            columns.append(self._segment.table.column(name).take(index))
+            self._files.drop_mapped_pages()
+        return pa.Table.from_arrays(columns, schema=pa.schema(
+            [self._segment_schema.field(name) for name in self.layout.stored_schema.names]))
 
     # --- whole state ------------------------------------------------------------------------
 

@@ -26,8 +26,11 @@ reader checks them, so a file of another stage or range is refused instead of mi
 
 import datetime as dt
 import json
+import mmap
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -393,10 +396,26 @@ ReadBytes = Callable[[StreamStateHandle], bytes]
 maps a missing or corrupt file to its exceptions, naming the stage)."""
 
 
-def _verified_bytes(handle: StreamStateHandle, what: str) -> bytes:
+_SPILL_CHUNK = 8 << 20
+
+
+def _verified_bytes(handle: StreamStateHandle, what: str,
+                    spill_directory: Path | None = None) -> "bytes | mmap.mmap":
+    """The handle's bytes, read whole and verified (its size and CRC-32); with
+    ``spill_directory``, written as they are read to an unnamed temporary file there (a crash
+    leaves nothing) and memory-mapped, so that they are resident only as far as they are read
+    (``_OpenedFile.drop_read_pages``), not held whole in memory."""
     try:
         with handle.open() as f:
-            return f.read()  # verifies the handle's size and CRC-32
+            if spill_directory is None:
+                return f.read()  # verifies the handle's size and CRC-32
+            with tempfile.TemporaryFile(dir=spill_directory) as file:
+                while chunk := f.read(_SPILL_CHUNK):  # verified at the last one
+                    file.write(chunk)
+                file.flush()
+                # (the map keeps the unnamed file's pages once it is closed)
+                return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if file.tell() \
+                    else b""
     except FileNotFoundError as exc:
         raise FileNotFoundError(f"{what} is missing: {exc}") from exc
     except (OSError, ValueError) as exc:
@@ -438,6 +457,13 @@ class _OpenedFile:
     row_groups: list[int]
     wanted: KeyGroupRange | None  # None: the file's whole range
     what: str
+    mapped: mmap.mmap | None = None  # its bytes, when read into a mapped temporary file
+
+    def drop_read_pages(self) -> None:
+        """Hand back the mapped pages of its bytes that reading touched (``MADV_DONTNEED``:
+        a later read maps them again from the page cache); nothing when not mapped."""
+        if self.mapped is not None:
+            self.mapped.madvise(mmap.MADV_DONTNEED)
 
     @property
     def rows(self) -> int:
@@ -481,11 +507,14 @@ class _OpenedFile:
 
 def _open(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
           key_groups: KeyGroupRange, wanted: KeyGroupRange | None,
-          read_bytes: ReadBytes | None = None) -> _OpenedFile:
+          read_bytes: ReadBytes | None = None, *,
+          spill_directory: Path | None = None) -> _OpenedFile:
     """A keyed state file of ``kind`` and ``key_groups``, its bytes read and verified whole
-    (``read_bytes``, default the handle's ``open()``) and its identity checked."""
+    (``read_bytes``, default the handle's ``open()``; ``spill_directory``: into a mapped
+    temporary file there, ``_verified_bytes``) and its identity checked."""
     what = f"keyed state {kind} file {_describe(handle)}"
-    data = _verified_bytes(handle, what) if read_bytes is None else read_bytes(handle)
+    data = _verified_bytes(handle, what, spill_directory) if read_bytes is None else \
+        read_bytes(handle)
     try:
         parquet = pq.ParquetFile(pa.BufferReader(data))
         metadata = parquet.schema_arrow.metadata or {}
@@ -510,7 +539,8 @@ def _open(handle: StreamStateHandle, layout: KeyedStateLayout, kind: str,
         raise KeyedStateFormatError(f"{what} is unreadable ({exc}); restore from an earlier "
                                     "checkpoint or a savepoint") from exc
     return _OpenedFile(parquet, layout, schema, columns, row_groups,
-                       wanted if narrower else None, what)
+                       wanted if narrower else None, what,
+                       data if isinstance(data, mmap.mmap) else None)
 
 
 def _row_groups_of(parquet: pq.ParquetFile, wanted: KeyGroupRange) -> list[int]:

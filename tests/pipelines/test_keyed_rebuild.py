@@ -489,3 +489,51 @@ def _rebuilt_counting(tmp_path, layout, key_groups, chain):
     finally:
         pa.set_memory_pool(previous)
     return store, pool.max_memory()
+
+
+def test_the_rebuild_holds_no_copy_of_its_base_file(job, tmp_path, monkeypatch):
+    """The base's bytes, verified whole before the first slice, go to an unnamed temporary
+    file, mapped, and the pages a slice read are handed back after it: the rebuild no longer
+    holds them in memory through its slices (a 4M-row range's base: 59 MiB). Python's and
+    numpy's memory (tracemalloc) at each slice's start held them whole."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 40_000, 2, monkeypatch)
+    monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
+    held = []
+    real = _rebuild._slice_winners
+
+    def slice_winners(files, deleted, layout):
+        held.append(tracemalloc.get_traced_memory()[0])
+        return real(files, deleted, layout)
+
+    monkeypatch.setattr(_rebuild, "_slice_winners", slice_winners)
+    tracemalloc.start()
+    try:
+        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+    finally:
+        tracemalloc.stop()
+    base_bytes = chain.full_snapshot.state_size
+    assert len(held) > 1 and max(held) < base_bytes // 2, (held, base_bytes)
+    assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
+    store.close()
+
+
+def test_a_damaged_base_fails_the_rebuild_naming_it(job, tmp_path, monkeypatch):
+    """A full snapshot whose bytes changed on storage fails the rebuild naming it (its bytes
+    are verified as they go to the temporary file), the store left as it was."""
+    key_groups = KeyGroupRange(0, WIDE.max_parallelism - 1)
+    chain = _snapshot_and_changes(job, tmp_path, WIDE, key_groups, 2_000, 2, monkeypatch)
+    data = bytearray(Path(chain.full_snapshot.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(chain.full_snapshot.path).write_bytes(bytes(data))
+    old = ArrowKeyedStateStore(tmp_path / "store", WIDE, key_groups)
+    old.load(clicks_table({"kept": 1}), version="3")
+    old.close()
+
+    with pytest.raises(KeyedStateFormatError,
+                       match=f"file {chain.full_snapshot.path} is unreadable"):
+        rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "4")
+
+    reopened = ArrowKeyedStateStore(tmp_path / "store", WIDE, key_groups)
+    assert ({"kept": 1}, "3") == (store_state(reopened), reopened.version)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp")]  # nothing left

@@ -56,10 +56,12 @@ growth from 20,000 to 40,000 keys). The last line is ``targets: N/M met``.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -603,18 +605,26 @@ def spawn(argv: list[str], sample: bool = True,
     phase each ``PHASE <name>`` line it prints names."""
     errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (not a pipe: Spark's log could fill it)
     started = time.time()
+    # A session of its own: a JVM that outlives its worker (it holds the stdout pipe, so
+    # reading to its end would wait for it: seen once after an 8M recovery) is killed with it.
     proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
-                            stderr=errors, text=True)  # fmt: skip
+                            stderr=errors, text=True, start_new_session=True)  # fmt: skip
     peak = PeakMemory(proc.pid, phase=phase) if sample else None
     result = None
-    for line in proc.stdout:
-        if line.startswith("TIMED-END") and peak is not None:
-            peak.active = False
-        elif line.startswith("PHASE ") and peak is not None:
-            peak.phase = line[len("PHASE ") :].strip()
-        elif line.startswith("RESULT "):
-            result = json.loads(line[len("RESULT ") :])
-    proc.wait()
+    try:
+        for line in proc.stdout:
+            if line.startswith("TIMED-END") and peak is not None:
+                peak.active = False
+            elif line.startswith("PHASE ") and peak is not None:
+                peak.phase = line[len("PHASE ") :].strip()
+            elif line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT ") :])
+                break  # the worker's last line
+        proc.wait(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     errors.seek(0)
     stderr = errors.read()
     if peak is not None:

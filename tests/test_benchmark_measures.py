@@ -125,6 +125,39 @@ def test_tree_memory_counts_a_jvm_once_while_it_spawns(tmp_path):
         jvm.wait()
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_is_done_at_its_result_and_whatever_it_leaves_is_killed(tmp_path, monkeypatch):
+    """A worker that prints its RESULT and exits while a child of its own (as a JVM once did)
+    still holds its stdout: the parent returns the result without waiting for that child, and
+    the child is killed."""
+    pid_file = tmp_path / "child.pid"
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, os, subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "print('RESULT ' + json.dumps({'done': 1}), flush=True)\n"
+        "os._exit(0)\n")
+    monkeypatch.setattr(sg, "__file__", str(worker))
+    started = time.monotonic()
+    result, _, _ = sg.spawn(["recover"], sample=False)
+    assert result == {"done": 1}
+    assert time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, f"the worker's child {child} was left running"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 def test_memory_peaks_are_kept_by_phase_with_the_split_of_their_sample(capsys):
     """Each phase keeps its own peak RSS (with the split by part of that sample), its PSS and
     each part's own peak; the overall peaks are the phases' largest; the report prints a

@@ -4,9 +4,8 @@ full snapshot (write a snapshot of the range) and for a replay (read the range's
 (docs/design.md, "Keyed state", 7.5).
 """
 
-import ctypes
 import datetime as dt
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -37,6 +36,7 @@ from pipelines.keyed._local_stores import (
     sweep_idle_stores,
     sweep_other_ranges,
 )
+from pipelines.keyed._memory import release_arrow_memory
 from pipelines.keyed._routing import (
     _NEWEST,
     _ROUTE,
@@ -86,32 +86,6 @@ def _file_prefix(task: KeyedStageTask, key_groups: KeyGroupRange, kind: str,
     that the prefix fits the 64 characters a stream's name prefix may have."""
     tail = f"-kg{key_groups.start}-{key_groups.end}-{kind}{task.batch}-a{attempt}-"
     return task.stage.name[:64 - len(tail)] + tail
-
-
-def _c_heap_trimmer() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere, e.g. musl or macOS: nothing to call)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_TRIM_C_HEAP = _c_heap_trimmer()
-
-
-def release_arrow_memory() -> None:
-    """Hand the memory a range's task freed back to the operating system: Arrow's pool and
-    the C heap. Arrow's allocator (mimalloc, jemalloc) keeps freed pages for reuse, and so
-    does glibc's ``malloc`` for numpy's arrays and Python's large objects (below 32 MiB they
-    come from its heap once a larger one was freed), so a Python worker that once held a
-    range's rebuild or merge stays at that high-water mark for every later batch. After a
-    1M-key recovery the two workers held 459 MiB, 381 MiB with Arrow's release; in the run
-    each worker kept 66 MiB of freed C heap that ``malloc_trim`` gives back. Called once a
-    range's work is done: a release of 30 MiB took 0.3 ms, a trim of 140 MiB 14 ms, a task
-    ~100 ms."""
-    pa.default_memory_pool().release_unused()
-    if _TRIM_C_HEAP is not None:
-        _TRIM_C_HEAP(0)
 
 
 def _run_partition(task: KeyedStageTask,

@@ -86,17 +86,24 @@ def merged(segment: Segment, schema: pa.Schema, changes: pa.Table, replaced: np.
         # by the task): no take, no copy beside them (+1x the rows at a worker's peak)
         return pa.Table.from_arrays([_one_chunk(c) for c in table.columns],
                                     schema=schema), offsets
-    # a take across chunks is 3x slower than of one: each column is made one first,
-    # column by column, so that one column's copy is held beside the result, not the
-    # whole table's (the merge was a worker's peak in a range's first batch); and the
-    # segment's mapped pages each take read are handed back before the next column's
-    # (the whole segment resident beside its merged copy: +250 MiB a worker at 8M keys)
-    index = pa.array(index)
+    # column by column: one column's copy is held beside the result, not the whole
+    # table's (the merge was a worker's peak in a range's first batch), and the segment's
+    # pages go after each (the whole segment resident beside its merged copy: +250 MiB a
+    # worker at 8M keys)
+    return take_columns(table, index, drop_mapped_pages), offsets
+
+
+def take_columns(table: pa.Table, rows: np.ndarray,
+                 drop_mapped_pages: Callable[[], None]) -> pa.Table:
+    """``table``'s ``rows``, taken a column at a time (each column made one chunk first: a
+    take across chunks is 3x slower), the mapped pages each take read handed back before the
+    next column's: one column's pages resident at once, not the whole segment's."""
+    index = pa.array(rows)
     columns = []
     for column in table.columns:
-        columns.append(column.combine_chunks().take(index))
+        columns.append(_one_chunk(column).take(index))
         drop_mapped_pages()
-    return pa.Table.from_arrays(columns, schema=table.schema), offsets
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 def sorted_batches(segment: Segment, names: list[str], changes: pa.Table | None,

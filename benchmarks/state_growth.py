@@ -49,10 +49,11 @@ each Python worker hashed (CRC-32) the 236 MB segment the other had written. At 
 Their walls are printed too (``warm-up``), so nothing is hidden.
 
     python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]
-        [--changed N] [--ss-min-deltas 10] [--quick]
+        [--changed N] [--ss-min-deltas 10] [--quick] [--growth-only]
 
 ``--quick``: a smoke run (20,000 keys, 50% changed, 20 batches, SS snapshot every 4 versions,
-growth from 20,000 to 40,000 keys). The last line is ``targets: N/M met``.
+growth from 20,000 to 40,000 keys). ``--growth-only``: the growth runs alone (the smallest and
+the largest of ``--sizes``), its one target. The last line is ``targets: N/M met``.
 """
 
 import argparse
@@ -828,6 +829,8 @@ def main(argv=None) -> None:
     parser.add_argument("--growth-batches", type=int, default=GROWTH_BATCHES)
     parser.add_argument("--growth-warmup", type=int, default=GROWTH_WARMUP)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--growth-only", action="store_true",
+                        help="only the growth runs: the smallest and the largest of --sizes")
     parser.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                         help="recoveries of ours without prefetch_local_stores")
     args = parser.parse_args(argv)
@@ -846,13 +849,16 @@ def main(argv=None) -> None:
         args.growth_changed, args.growth_batches, args.growth_warmup = 2000, 5, 2
     sizes = [int(s) for s in args.sizes.split(",")]
     growth_sizes = [20_000, 40_000] if args.quick else sizes
+    if args.growth_only and len(growth_sizes) < 2:
+        parser.error("--growth-only needs two --sizes at least: growth is the largest's steady "
+                     "batch against the smallest's")
     print(f"state_growth: sizes {sizes}, {args.batches} batches, changed {args.changed} per "
           f"batch, SS minDeltasForSnapshot {args.ss_min_deltas}, maintenance every "
           f"{SS_MAINTENANCE_INTERVAL}, local[2]; load {os.getloadavg()}", flush=True)
     checks: list[bool] = []
     base = Path(tempfile.mkdtemp(prefix="state_growth-"))
     try:
-        for i, size in enumerate(sizes):
+        for i, size in enumerate([] if args.growth_only else sizes):
             changed = int(args.changed * size) if args.changed < 1 else int(args.changed)
             order = list(SYSTEMS) if i % 2 == 0 else list(reversed(SYSTEMS))
             measured = measure_size(size, max(1, changed), base, args, order)

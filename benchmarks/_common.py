@@ -274,15 +274,6 @@ class PhasePeak:
         return f"{self.rss / 2**20:.0f} MiB (PSS {self.pss / 2**20:.0f}; {split}; own peaks {own})"
 
 
-G1_RETURNS_IDLE_HEAP = "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 " \
-    "-XX:MaxHeapFreeRatio=30"
-"""JVM options under which G1 hands back heap it committed but no longer needs (a collection
-when none ran for 2 s, then at most 30% of the heap free): the JVM's RSS follows its live
-data instead of the most it ever allocated between collections, which varied by 0.9 GB
-between identical 1M-key runs (docs/benchmarks.md, "state_growth: where the memory goes").
-The heap's maximum (``spark.driver.memory``) is unchanged."""
-
-
 SERIALIZER_RESETS = {"spark.serializer.objectStreamReset": "1"}
 """The session setting under which a Java serialization stream keeps no object it wrote
 (``resources.spark.DEFAULT_SPARK_CONF``'s, checked there by tests/test_benchmark_measures.py):
@@ -290,12 +281,22 @@ what our keyed batches persist on disk goes through one. Given to both systems: 
 nothing a Structured Streaming query keeps."""
 
 
-LOCAL_SESSION_CONF = {"spark.python.daemon.module": "resources._daemon"}
-"""What a session of ``resources.build_spark_session`` adds on a local master
+LOCAL_SESSION_CONF = {
+    "spark.python.daemon.module": "resources._daemon",
+    "spark.driver.extraJavaOptions": "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 "
+                                     "-XX:MaxHeapFreeRatio=30 -XX:TieredStopAtLevel=1",
+}
+"""What a session of ``resources.build_spark_session`` sets on a local master
 (``resources.spark.LOCAL_SPARK_CONF``, checked equal by tests/test_benchmark_measures.py;
 copied so that a benchmark's processes do not import Dagster): Spark's Python daemon with the
-workers' imports done before it forks them. Structured Streaming's queries here run no Python
-workers, so it changes nothing for them."""
+workers' imports done before it forks them (Structured Streaming's queries here run no Python
+workers: nothing changes for them), and the driver JVM's options: G1 hands back heap it
+committed but no longer needs (a collection when none ran for 2 s, then at most 30% of the
+heap free), so that the JVM's RSS follows its live data instead of the most it ever allocated
+between collections (it varied by 0.9 GB between identical 1M-key runs: docs/benchmarks.md,
+"state_growth: where the memory goes"), and it compiles with C1 only (docs/benchmarks.md,
+"state_growth: the local driver JVM without C2"). Given to both systems' JVMs, so that
+neither system's result is the other's JVM setting."""
 
 
 def class_archive_options() -> str:
@@ -319,20 +320,20 @@ def rocksdb_session(app: str, ss_min_deltas: int, *, shuffle_partitions: int = 4
                     on_context=None):
     """A ``local[2]`` SparkSession for the Structured Streaming baselines: RocksDB state store
     with changelog checkpointing, a snapshot every ``ss_min_deltas`` versions. The
-    benchmarks compare with this, so they build it one way (``driver_java_options``: the
-    driver JVM's, e.g. ``G1_RETURNS_IDLE_HEAP``, and ``conf``, e.g. ``LOCAL_SESSION_CONF``,
-    for both systems alike). ``on_context(context)``: called once the SparkContext exists,
-    before the session is built on it, as ``resources.build_spark_session`` does (ours'
-    workers' warm-up); the session's settings are the same either way."""
+    benchmarks compare with this, so they build it one way (``conf``, e.g.
+    ``LOCAL_SESSION_CONF``, and ``driver_java_options``, the driver JVM's in place of
+    ``conf``'s, e.g. those with the class archive's, for both systems alike).
+    ``on_context(context)``: called once the SparkContext exists, before the session is built
+    on it, as ``resources.build_spark_session`` does (ours' workers' warm-up); the session's
+    settings are the same either way."""
     import sys
 
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors: this interpreter
-    options = {"spark.driver.extraJavaOptions": driver_java_options} if driver_java_options \
-        else {}
-    options |= (conf or {}) | {
+    options = (conf or {}) | ({"spark.driver.extraJavaOptions": driver_java_options}
+                              if driver_java_options else {}) | {
         "spark.master": "local[2]",
         "spark.app.name": app,
         "spark.sql.shuffle.partitions": str(shuffle_partitions),

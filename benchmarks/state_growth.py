@@ -2,9 +2,9 @@
 (changelog checkpointing), measured as the targets of issue 28 name them.
 
 Systems, each in its own process, interleaved, on the same Parquet batches, checkpoint on
-local disk, ``local[2]``, the same session options (the driver JVM's G1 returns idle heap,
-``_common.G1_RETURNS_IDLE_HEAP``; Spark's Python daemon as our sessions run it on a local
-master, ``_common.LOCAL_SESSION_CONF``):
+local disk, ``local[2]``, the same session options: those our sessions set on a local master
+(``_common.LOCAL_SESSION_CONF``: the driver JVM's G1 returns idle heap and compiles with C1
+only; Spark's Python daemon as our sessions run it) and the project's class archive:
 
 - ``ss-rocksdb``: Structured Streaming, ``RocksDBStateStoreProvider`` with changelog
   checkpointing; a snapshot every ``--ss-min-deltas`` versions
@@ -82,7 +82,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _common import (  # noqa: E402
-    G1_RETURNS_IDLE_HEAP,
     LOCAL_SESSION_CONF,
     SERIALIZER_RESETS,
     PeakMemory,
@@ -297,14 +296,15 @@ def kind_of(system: str, path: str) -> str:
 
 
 def _spark(app: str, ss_min_deltas: int, on_context=None):
-    # peak RSS measures what each system needs, not how much heap G1 left committed; both
-    # JVMs map the project's class archive when it exists (pipelines.class_archive: our
-    # sessions' JVMs do; given to SS's too, so that neither system's start is the other's
-    # JVM setting). ``on_context``: ours' warm-up, once the context exists (_SessionStart).
+    # Both JVMs get our local sessions' options (peak RSS measures what each system needs,
+    # not how much heap G1 left committed; C1 only) and map the project's class archive when
+    # it exists (pipelines.class_archive: our sessions' JVMs do): neither system's result is
+    # the other's JVM setting. ``on_context``: ours' warm-up, once the context exists.
     return rocksdb_session(app, ss_min_deltas, shuffle_partitions=SHUFFLE_PARTITIONS,
                            maintenance_interval=SS_MAINTENANCE_INTERVAL,
-                           driver_java_options=(f"{G1_RETURNS_IDLE_HEAP} "
-                                                f"{class_archive_options()}").strip(),
+                           driver_java_options=(
+                               f"{LOCAL_SESSION_CONF['spark.driver.extraJavaOptions']} "
+                               f"{class_archive_options()}").strip(),
                            conf=LOCAL_SESSION_CONF | SERIALIZER_RESETS, on_context=on_context)
 
 

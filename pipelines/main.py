@@ -366,18 +366,13 @@ def _follow_interrupt(record: logging.LogRecord) -> bool:
 
 def _quiet_spark() -> None:
     """Spark's console logging: errors only (its own log4j2 configuration, unless the
-    environment already passes submit arguments). ``--driver-java-options`` replaces the
-    sessions' ``spark.driver.extraJavaOptions``, so it carries those too (and the class
-    archive's, ``pipelines.class_archive``)."""
-    from pipelines import class_archive
-    from resources import DEFAULT_SPARK_CONF
-
-    options = (f"-Dlog4j2.configurationFile={SPARK_LOG_CONFIG.as_uri()} "
-               f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} "
-               f"{class_archive.java_options()}").strip()
+    environment already passes submit arguments). Given as the driver's
+    ``spark.driver.defaultJavaOptions``, which Spark puts before the session's
+    ``extraJavaOptions``: the session keeps its own JVM options (``build_spark_session``'s)."""
+    option = f"-Dlog4j2.configurationFile={SPARK_LOG_CONFIG.as_uri()}"
     os.environ.setdefault(
-        "PYSPARK_SUBMIT_ARGS", f"--driver-java-options {shlex.quote(options)} pyspark-shell"
-    )
+        "PYSPARK_SUBMIT_ARGS",
+        f"--conf {shlex.quote('spark.driver.defaultJavaOptions=' + option)} pyspark-shell")
 
 
 # --- the job -----------------------------------------------------------------------------

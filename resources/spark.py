@@ -50,6 +50,15 @@ LOCAL_SPARK_CONF: dict[str, str] = {
     # Local masters only: a cluster's daemon starts before the project's shipped files are on
     # its path, and would import this project as installed on the executor, if at all.
     "spark.python.daemon.module": "resources._daemon",
+    # The driver JVM (here also the executor) compiles with C1 only: a local session lives
+    # for one Dagster run or one restart, and C2 spent its CPU compiling code such a JVM
+    # hardly runs again (a 1M-key restart: 6.7-8.4 s of C2 CPU, ~40% of the JVM's, on 2
+    # cores; with C1 only the restart took 9.2 s where it took 15.3, and steady batches kept
+    # their time: docs/benchmarks.md, "state_growth: the local driver JVM without C2"). A
+    # long local job that spends its time in Spark SQL may want C2 back: a ``conf`` with its
+    # own extraJavaOptions replaces these.
+    "spark.driver.extraJavaOptions": (
+        f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} -XX:TieredStopAtLevel=1"),
 }
 """Added to ``DEFAULT_SPARK_CONF`` on a ``local`` master, where the workers run the driver's
 Python environment."""

@@ -123,6 +123,21 @@ def test_the_daemon_module_is_set_on_local_masters_only():
     assert "mine" == session_settings("local[2]", {daemon: "mine"})[daemon]
 
 
+def test_the_driver_jvm_compiles_with_c1_only_on_local_masters_unless_the_conf_says():
+    """A local master's driver JVM (also its executor, living one run) compiles with C1 only,
+    beside the G1 options every driver gets; a cluster's driver keeps HotSpot's tiers; a
+    ``conf`` with its own JVM options replaces both (the way back to C2)."""
+    from resources.spark import DEFAULT_SPARK_CONF, session_settings
+
+    option, c1 = "spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1"
+    local = session_settings("local[*]")[option].split()
+    assert c1 in local and set(DEFAULT_SPARK_CONF[option].split()) <= set(local)
+    cluster = session_settings("spark://127.0.0.1:7077")[option].split()
+    assert c1 not in cluster and set(DEFAULT_SPARK_CONF[option].split()) <= set(cluster)
+    mine = session_settings("local[2]", {option: "-Xss4m"})[option].split()
+    assert c1 not in mine and "-Xss4m" in mine
+
+
 _PRELOAD_CHILD = textwrap.dedent("""
     import os
     import threading

@@ -1,7 +1,9 @@
 """The main job's arguments, the partitions it picks and the commands its summary prints
-(no Spark here: the runs themselves are in test_defs.py)."""
+(no Spark here, but for one session in a subprocess: the JVM options the job's submit
+arguments leave; the runs themselves are in test_defs.py)."""
 
 import datetime as dt
+import json
 import os
 import re
 import shlex
@@ -15,7 +17,6 @@ from dagster_shared.error import SerializableErrorInfo
 from pipelines import SourcePosition
 from pipelines.main import (
     UNTIL_CONFIRM_ABOVE,
-    _quiet_spark,
     backfill_command,
     confirm_until,
     error_summary,
@@ -23,7 +24,6 @@ from pipelines.main import (
     parse_args,
     print_retained,
 )
-from resources import DEFAULT_SPARK_CONF
 from sensors import RetainedSnapshot
 
 TODAY = dt.date(2026, 10, 11)
@@ -274,31 +274,34 @@ def test_a_failure_is_summarised_as_the_users_error_in_one_line():
             "bad") == error_summary(step)
 
 
-def test_the_quiet_spark_console_keeps_the_sessions_java_options(monkeypatch):
-    """Submit arguments' ``--driver-java-options`` replace ``spark.driver.extraJavaOptions``:
-    the main job's carry the quiet log4j2 configuration and the sessions' JVM options."""
-    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "")
-    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")  # restored (unset) after the test
-    _quiet_spark()
-    args = shlex.split(os.environ["PYSPARK_SUBMIT_ARGS"])
-    options = args[args.index("--driver-java-options") + 1].split()
-    assert [o for o in options if o.startswith("-Dlog4j2.configurationFile=file:")]
-    assert set(DEFAULT_SPARK_CONF["spark.driver.extraJavaOptions"].split()) <= set(options)
-    assert args[-1] == "pyspark-shell"
+_SESSION_JVM_ARGUMENTS = """
+import json
+from pipelines.main import _quiet_spark
+from resources import build_spark_session
+_quiet_spark()
+session = build_spark_session("local[1]", "quiet-console", {"spark.ui.enabled": "false"})
+jvm = session.sparkContext._jvm
+print(json.dumps(list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                      .getInputArguments())))
+session.stop()
+"""
 
 
-def test_the_quiet_spark_console_carries_the_class_archive(monkeypatch, tmp_path):
-    """With an archive in place, the main job's submit arguments (which replace the sessions'
-    ``extraJavaOptions``) map it too."""
+@pytest.mark.spark
+@pytest.mark.timeout(180)
+def test_the_quiet_spark_console_keeps_the_sessions_java_options():
+    """The main job's submit arguments carry its console's log4j2 configuration and leave
+    the session's own JVM options in place: a session built after them (in a process of its
+    own: a JVM starts once) runs with both, the class archive's too when there is one."""
     from pipelines import class_archive
+    from resources.spark import session_settings
 
-    monkeypatch.setenv("PIPELINES_CLASS_ARCHIVE_DIR", str(tmp_path))
-    monkeypatch.setenv("PYSPARK_SUBMIT_ARGS", "")
-    monkeypatch.delenv("PYSPARK_SUBMIT_ARGS")
-    path = class_archive.archive_path()
-    path.write_bytes(b"x" * 10)
-    path.with_name(path.name + ".bytes").write_text("10")
-    _quiet_spark()
-    args = shlex.split(os.environ["PYSPARK_SUBMIT_ARGS"])
-    options = args[args.index("--driver-java-options") + 1].split()
-    assert f"-XX:SharedArchiveFile={path}" in options
+    environment = {k: v for k, v in os.environ.items() if k != "PYSPARK_SUBMIT_ARGS"}
+    done = subprocess.run([sys.executable, "-c", _SESSION_JVM_ARGUMENTS], env=environment,
+                          capture_output=True, text=True, timeout=170, check=True)
+    arguments = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [a for a in arguments if a.startswith("-Dlog4j2.configurationFile=file:")]
+    wanted = session_settings("local[1]")["spark.driver.extraJavaOptions"].split()
+    assert "-XX:TieredStopAtLevel=1" in wanted
+    assert set(wanted) <= set(arguments), arguments
+    assert set(class_archive.java_options().split()) <= set(arguments)

@@ -61,7 +61,7 @@ LOCAL_SPARK_CONF: dict[str, str] = {
         f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} -XX:TieredStopAtLevel=1"),
 }
 """Added to ``DEFAULT_SPARK_CONF`` on a ``local`` master, where the workers run the driver's
-Python environment."""
+Python environment (its driver JVM options extend the default ones)."""
 
 
 def session_settings(master: str, conf: dict | None = None) -> dict[str, str]:

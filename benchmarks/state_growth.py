@@ -32,11 +32,16 @@ Per system and S:
 - recovery: a new process restarting from a copy of the checkpoint as it was after batch b
   and processing batch b+1, timed from process start (interpreter, imports, SparkSession,
   restore, one batch) and from the runner's (query's) start, at the best point (the shortest
-  chain of change files after a snapshot) and the worst (the longest chain) of the window;
+  chain of change files after a snapshot) and the worst (the longest chain) of the window.
+  The worst point, the target's, is recovered ``--recoveries`` times per system (default
+  3), the systems alternating in turns (ours, SS; SS, ours; ...), and its figure is the
+  median: a single restart's wall moves by ±10% between runs on a quiet machine, and the
+  machine's state drifts between two systems' single recoveries (docs/benchmarks.md);
 - peak memory: RSS and PSS summed over the process tree (JVM, Python daemon and workers),
   sampled every 0.2 s, over the run and the recoveries; printed by phase too (the run's
   initial state, its timed batches, each recovery), each with the split of its peak sample
-  by process (the JVM, the driver's Python, the daemon, the workers).
+  by process (the JVM, the driver's Python, the daemon, the workers). A recovery's peak is
+  the highest of all its recoveries (not a median: a peak is what a machine must hold).
 
 With more than one S, ours' growth at ``GROWTH_CHANGED`` changed keys per batch from the
 smallest to the largest S (batch wall ratio) is measured in extra runs: the median of the
@@ -49,7 +54,7 @@ each Python worker hashed (CRC-32) the 236 MB segment the other had written. At 
 Their walls are printed too (``warm-up``), so nothing is hidden.
 
     python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]
-        [--changed N] [--ss-min-deltas 10] [--quick] [--growth-only]
+        [--changed N] [--ss-min-deltas 10] [--recoveries 3] [--quick] [--growth-only]
 
 ``--quick``: a smoke run (20,000 keys, 50% changed, 20 batches, SS snapshot every 4 versions,
 growth from 20,000 to 40,000 keys). ``--growth-only``: the growth runs alone (the smallest and
@@ -587,7 +592,7 @@ class Measured:
     state_check: str
     peak_rss: int
     peak_pss: int
-    recovery: dict[str, dict] = field(default_factory=dict)  # point -> timings
+    recovery: dict[str, "Recoveries"] = field(default_factory=dict)  # point -> its runs
     phases: dict[str, PhasePeak] = field(default_factory=dict)  # phase -> its peak
 
     @property
@@ -668,12 +673,40 @@ def recover(system: str, m: Measured, data: Path, work: Path, point: str, b: int
     result, started, peak = spawn(["recover", *common_argv(system, data, work, args),
                                    "--point", str(b)], phase=name)
     m.peak_rss, m.peak_pss = max(m.peak_rss, peak.rss), max(m.peak_pss, peak.pss)
-    m.phases.update(peak.phases)
-    m.recovery[point] = {"batch": b, "chain": m.chain_lengths[b - 1],
-                         "from_process_start": result["done"] - started,
-                         "from_runner_start": result["done"] - result["runner_start"],
-                         "peak_rss": peak.rss,
-                         "prefetched": result.get("prefetched")}  # fmt: skip
+    for phase, phase_peak in peak.phases.items():  # the highest of the point's recoveries
+        if phase not in m.phases or phase_peak.rss > m.phases[phase].rss:
+            m.phases[phase] = phase_peak
+    m.recovery.setdefault(point, Recoveries(b, m.chain_lengths[b - 1])).runs.append(
+        {"from_process_start": result["done"] - started,
+         "from_runner_start": result["done"] - result["runner_start"],
+         "peak_rss": peak.rss, "prefetched": result.get("prefetched")})
+
+
+def recovery_turns(order: list[str], recoveries: int) -> list[tuple[str, str]]:
+    """The recoveries' (point, system) in the order they run: the best point once per system,
+    then the worst ``recoveries`` times per system, the systems taking turns first (``order``,
+    then reversed, ...), so that a drift of the machine's speed reaches both alike."""
+    turns = [("best", system) for system in order]
+    for i in range(recoveries):
+        turns += [("worst", system) for system in (order if i % 2 == 0 else order[::-1])]
+    return turns
+
+
+@dataclass
+class Recoveries:
+    """A point's recoveries of one system: ``runs`` hold each one's ``from_process_start``,
+    ``from_runner_start`` (s), ``peak_rss`` (bytes) and ``prefetched`` (ours)."""
+
+    batch: int
+    chain: int
+    runs: list[dict] = field(default_factory=list)
+
+    def median(self, figure: str) -> float:
+        return statistics.median(r[figure] for r in self.runs)
+
+    @property
+    def peak_rss(self) -> int:
+        return max(r["peak_rss"] for r in self.runs)
 
 
 def measure_size(size: int, changed: int, base: Path, args, order: list[str]) -> dict:
@@ -692,11 +725,10 @@ def measure_size(size: int, changed: int, base: Path, args, order: list[str]) ->
             print(f"  S={size:,} {system}: run done, peak RSS {mib(peak.rss)}, load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
         points = {s: choose_points(measured[s]) for s in order}
-        for point in ("best", "worst"):
-            for system in order:
-                if point in points[system]:
-                    recover(system, measured[system], data, works[system], point,
-                            points[system][point], args)
+        for point, system in recovery_turns(order, args.recoveries):
+            if point in points[system]:
+                recover(system, measured[system], data, works[system], point,
+                        points[system][point], args)
     finally:
         for work in works.values():
             shutil.rmtree(work, ignore_errors=True)
@@ -753,14 +785,22 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         print(f"    snapshots in the window: {snaps or 'none'}; longest chain "
               f"{max(m.chain_lengths)} files")
         for point, r in m.recovery.items():
-            print(f"    recovery at the {point} point (after batch {r['batch']}, chains "
-                  f"{r['chain']} files): {r['from_process_start']:.2f} s from process start, "
-                  f"{r['from_runner_start']:.2f} s from the runner's start, peak RSS "
-                  f"{mib(r['peak_rss'])}"
-                  # the ranges are built one after another: their sum is the prefetch's wall
-                  + (f"; local stores prefetched: {', '.join(p['outcome'] for p in prefetched)} "
-                     f"({sum(p['seconds'] for p in prefetched):.2f} s)"
-                     if (prefetched := r.get("prefetched")) else ""))
+            many = len(r.runs) > 1
+            print(f"    recovery at the {point} point (after batch {r.batch}, chains "
+                  f"{r.chain} files){f', median of {len(r.runs)}' if many else ''}: "
+                  f"{r.median('from_process_start'):.2f} s from process start, "
+                  f"{r.median('from_runner_start'):.2f} s from the runner's start, peak RSS "
+                  f"{mib(r.peak_rss)}{' (the highest)' if many else ''}")
+            for i, run in enumerate(r.runs, 1):
+                # the ranges are built one after another: their sum is the prefetch's wall
+                prefetched = run.get("prefetched")
+                print(f"        {i}: {run['from_process_start']:.2f} s from process start, "
+                      f"{run['from_runner_start']:.2f} s from the runner's start, peak RSS "
+                      f"{mib(run['peak_rss'])}"
+                      + (f"; local stores prefetched: "
+                         f"{', '.join(p['outcome'] for p in prefetched)} "
+                         f"({sum(p['seconds'] for p in prefetched):.2f} s)"
+                         if prefetched else ""))
     ours, ss = measured.get("ours"), measured.get("ss-rocksdb")
     covered = ours is not None and ss is not None and all(
         v >= 1 for m in (ours, ss) for v in m.snapshots.values()) and all(
@@ -772,7 +812,8 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         "bytes/batch": (lambda m: m.bytes_per_batch, covered),
         "batch wall": (lambda m: m.batch_wall, True),
         "recovery (worst point)": (
-            lambda m: m.recovery.get("worst", {}).get("from_process_start"), True),
+            lambda m: m.recovery["worst"].median("from_process_start")
+            if "worst" in m.recovery else None, True),
         "peak RSS": (lambda m: m.peak_rss, True),
     }
     for label, (get, valid) in figures.items():
@@ -789,15 +830,15 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
         print(f"S={size:,} {label}: {ratio:.2f}x SS RocksDB (target <= {limit}x): "
               f"{'ok' if ratio <= limit else 'MISSED'}")
     if ours and ss and "worst" in ours.recovery and "worst" in ss.recovery:
-        r = ours.recovery["worst"]["from_runner_start"] / ss.recovery["worst"][
-            "from_runner_start"]
+        r = (ours.recovery["worst"].median("from_runner_start")
+             / ss.recovery["worst"].median("from_runner_start"))
         print(f"S={size:,} recovery (worst point) from the runner's start: {r:.2f}x SS "
               "RocksDB (no target)")
     if ours and ss and ours.recovery and ss.recovery:
         # "peak RSS" above is each system's peak over its run and its recoveries (ours' is
         # its run's); this compares the recoveries alone
-        r = (max(p["peak_rss"] for p in ours.recovery.values())
-             / max(p["peak_rss"] for p in ss.recovery.values()))
+        r = (max(p.peak_rss for p in ours.recovery.values())
+             / max(p.peak_rss for p in ss.recovery.values()))
         if size in RECOVERY_PEAK_SIZES and correct:
             checks.append(r <= RECOVERY_PEAK_TARGET)
             print(f"S={size:,} peak RSS in recovery: {r:.2f}x SS RocksDB (target <= "
@@ -825,6 +866,8 @@ def main(argv=None) -> None:
     parser.add_argument("--changed", type=float, default=0.01,
                         help="changed keys per batch: a fraction of S (< 1) or a number")
     parser.add_argument("--ss-min-deltas", type=int, default=10)
+    parser.add_argument("--recoveries", type=int, default=3,
+                        help="recoveries at the worst point per system (the median counts)")
     parser.add_argument("--growth-changed", type=int, default=GROWTH_CHANGED)
     parser.add_argument("--growth-batches", type=int, default=GROWTH_BATCHES)
     parser.add_argument("--growth-warmup", type=int, default=GROWTH_WARMUP)
@@ -847,6 +890,8 @@ def main(argv=None) -> None:
         # full snapshot (and a best point) is exercised
         args.sizes, args.batches, args.changed, args.ss_min_deltas = "20000", 20, 0.5, 4
         args.growth_changed, args.growth_batches, args.growth_warmup = 2000, 5, 2
+    if args.recoveries < 1:
+        parser.error("--recoveries must be at least 1")
     sizes = [int(s) for s in args.sizes.split(",")]
     growth_sizes = [20_000, 40_000] if args.quick else sizes
     if args.growth_only and len(growth_sizes) < 2:
@@ -856,6 +901,7 @@ def main(argv=None) -> None:
           f"batch, SS minDeltasForSnapshot {args.ss_min_deltas}, maintenance every "
           f"{SS_MAINTENANCE_INTERVAL}, local[2]; load {os.getloadavg()}", flush=True)
     checks: list[bool] = []
+    began = time.time()
     base = Path(tempfile.mkdtemp(prefix="state_growth-"))
     try:
         for i, size in enumerate([] if args.growth_only else sizes):
@@ -874,7 +920,7 @@ def main(argv=None) -> None:
                   f"<= {GROWTH_TARGET}x): {'ok' if ratio <= GROWTH_TARGET else 'MISSED'}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"load after: {os.getloadavg()}")
+    print(f"load after: {os.getloadavg()}; {(time.time() - began) / 60:.1f} min")
     print(f"targets: {sum(checks)}/{len(checks)} met")
 
 

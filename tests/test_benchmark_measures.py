@@ -83,6 +83,47 @@ def test_chains_reset_at_a_snapshot_and_choose_the_worst_and_best_points():
     assert ({"0/0": 1, "0/1": 3}, {"0/0": 1, "0/1": 0}) == (ss.length, ss.snapshots)
 
 
+def test_the_worst_point_is_recovered_in_turns_and_its_median_is_the_target(capsys):
+    """The worst point is recovered ``--recoveries`` times per system, the systems taking
+    turns in alternating order; the target is the ratio of the medians, each run is printed,
+    and a point's peak is its highest run's."""
+    assert sg.recovery_turns(["ours", "ss-rocksdb"], 3) == [
+        ("best", "ours"), ("best", "ss-rocksdb"), ("worst", "ours"), ("worst", "ss-rocksdb"),
+        ("worst", "ss-rocksdb"), ("worst", "ours"), ("worst", "ours"), ("worst", "ss-rocksdb")]
+    assert sg.recovery_turns(["ss-rocksdb", "ours"], 1)[2:] == [("worst", "ss-rocksdb"),
+                                                               ("worst", "ours")]
+    mib = 2**20
+
+    def measured(walls, peaks):
+        m = sg.Measured([1.0], [1], {}, [1, 2], {"kg0-127": 1}, "equal", 100 * mib, 0)
+        m.recovery["worst"] = sg.Recoveries(2, 2, [
+            {"from_process_start": w, "from_runner_start": w / 2, "peak_rss": p * mib}
+            for w, p in zip(walls, peaks, strict=True)])
+        return m
+
+    # ours' one slow run (16 s) does not decide: medians 9 and 12 s
+    ours, ss = measured([9.0, 16.0, 8.0], [500, 700, 600]), measured([12.0, 11.0, 13.0],
+                                                                      [650, 640, 660])
+    assert ours.recovery["worst"].median("from_process_start") == 9.0
+    assert ours.recovery["worst"].peak_rss == 700 * mib
+    checks = sg.report(1000, {"ours": ours, "ss-rocksdb": ss},
+                       sg.argparse.Namespace(batches=1))
+    out = capsys.readouterr().out
+    assert "S=1,000 recovery (worst point): 0.75x SS RocksDB (target <= 0.8x): ok" in out
+    assert "recovery at the worst point (after batch 2, chains 2 files), median of 3: 9.00 s " \
+        "from process start, 4.50 s from the runner's start, peak RSS 700.00 MiB (the " \
+        "highest)" in out
+    assert "        2: 16.00 s from process start, 8.00 s from the runner's start, peak RSS " \
+        "700.00 MiB" in out
+    assert "S=1,000 peak RSS in recovery: 1.06x SS RocksDB (no target)" in out
+    assert checks[2] is True
+    # the same runs with ours' median over the target: MISSED
+    ours.recovery["worst"].runs[0]["from_process_start"] = 10.0
+    sg.report(1000, {"ours": ours, "ss-rocksdb": ss}, sg.argparse.Namespace(batches=1))
+    assert "recovery (worst point): 0.83x SS RocksDB (target <= 0.8x): MISSED" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux /proc only")
 def test_tree_memory_counts_the_children():
     child = subprocess.Popen([sys.executable, "-c",

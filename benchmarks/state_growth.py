@@ -53,7 +53,7 @@ each Python worker hashed (CRC-32) the 236 MB segment the other had written. At 
 2-4x the later batches, so a median of 10 batches measured them, not the steady batch.
 Their walls are printed too (``warm-up``), so nothing is hidden.
 
-    python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 120]
+    python benchmarks/state_growth.py [--sizes 1000000,4000000,8000000] [--batches 110]
         [--changed N] [--ss-min-deltas 10] [--recoveries 3] [--quick] [--growth-only]
 
 ``--quick``: a smoke run (20,000 keys, 50% changed, 20 batches, SS snapshot every 4 versions,
@@ -647,12 +647,22 @@ def common_argv(system: str, data: Path, work: Path, args) -> list[str]:
             *([] if args.prefetch else ["--no-prefetch"])]
 
 
-def choose_points(m: Measured) -> dict[str, int]:
-    """Worst: the batch after which the chains are longest. Best: the shortest chains after
-    the first snapshot in the window (None without one)."""
+def choose_points(m: Measured, *, steady: bool = False) -> dict[str, int]:
+    """Worst: the batch after which the chains are longest (``steady``: of the batches after
+    the first snapshot in the window, when there is one). Best: the shortest chains after
+    the first snapshot in the window (None without one).
+
+    SS's worst point is chosen ``steady``: until its maintenance uploads a first snapshot,
+    a restart replays the changelog of batch 0, the whole initial state (at 8M keys 57-73 s
+    where a restart in its later cycles took ~35 s), so a longest chain that fell there (by
+    the upload's timing) measured SS's start-up instead of its cycle, and a ratio of ours
+    against it flattered ours. Ours' chains start from the initial state's change file
+    as later ones start from a full snapshot (the same rows, read alike): its first cycle is
+    its steady one."""
     lengths = m.chain_lengths
-    worst = max(range(len(lengths)), key=lambda i: (lengths[i], i))
     reset = [i for i in range(1, len(lengths)) if lengths[i] < lengths[i - 1]]
+    candidates = range(reset[0] if steady and reset else 0, len(lengths))
+    worst = max(candidates, key=lambda i: (lengths[i], i))
     points = {"worst": worst + 1}
     if reset:
         best = min(range(reset[0], len(lengths)), key=lambda i: (lengths[i], i))
@@ -724,7 +734,7 @@ def measure_size(size: int, changed: int, base: Path, args, order: list[str]) ->
                 phases=dict(peak.phases))
             print(f"  S={size:,} {system}: run done, peak RSS {mib(peak.rss)}, load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
-        points = {s: choose_points(measured[s]) for s in order}
+        points = {s: choose_points(measured[s], steady=s == "ss-rocksdb") for s in order}
         for point, system in recovery_turns(order, args.recoveries):
             if point in points[system]:
                 recover(system, measured[system], data, works[system], point,
@@ -862,7 +872,7 @@ def main(argv=None) -> None:
     parser.add_argument("--points", action="store_true")
     parser.add_argument("--sizes", default="1000000,4000000,8000000")
     # ~100 batches of 1% reach our first full snapshot (changes outgrow the base)
-    parser.add_argument("--batches", type=int, default=120)
+    parser.add_argument("--batches", type=int, default=110)
     parser.add_argument("--changed", type=float, default=0.01,
                         help="changed keys per batch: a fraction of S (< 1) or a number")
     parser.add_argument("--ss-min-deltas", type=int, default=10)

@@ -80,6 +80,13 @@ def test_chains_reset_at_a_snapshot_and_choose_the_worst_and_best_points():
     assert [2, 4, 2, 4] == lengths
     assert {"kg0-63": 1, "kg64-127": 1} == ours.snapshots
     assert {"worst": 4, "best": 3} == sg.choose_points(measured)
+    # SS's chains longest before its first snapshot (batch 0's changelog replayed): its
+    # worst point is taken from its steady cycle; ours' first cycle is its steady one
+    start_up = sg.Measured([1.0], [1], {}, [5, 6, 2, 4, 3], {}, "equal", 0, 0)
+    assert {"worst": 2, "best": 3} == sg.choose_points(start_up)
+    assert {"worst": 4, "best": 3} == sg.choose_points(start_up, steady=True)
+    no_snapshot = sg.Measured([1.0], [1], {}, [1, 2, 3], {}, "equal", 0, 0)
+    assert {"worst": 3} == sg.choose_points(no_snapshot, steady=True)
     assert ({"0/0": 1, "0/1": 3}, {"0/0": 1, "0/1": 0}) == (ss.length, ss.snapshots)
 
 

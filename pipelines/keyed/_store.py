@@ -12,7 +12,8 @@ group's first row in the manifest; so a rebuild loads a full snapshot as it is r
 full snapshot of a store without runs writes the segment as it is. A lookup searches the runs,
 newest first, then the segment (``_store_segment``): a batch costs what its keys cost, whatever
 the size of the state. Past ``max_runs`` runs, they compact into one; when the runs outgrow
-``merge_ratio`` of the segment, both merge into a new segment (``_store_merge``).
+``merge_ratio`` of the segment, both merge into a new segment (``_store_merge``), a range
+later than the ranges before it (``MERGE_STAGGER``).
 ``MANIFEST.json`` names the live files; it is replaced atomically, so a crash leaves either the
 old or the new store, and files it does not name are leftovers.
 
@@ -67,6 +68,16 @@ _STORE_FORMAT = "arrow-keyed-store-v3"
 _IN_SEGMENT, _ABSENT = -1, -2
 
 
+MERGE_STAGGER = 0.5
+"""How much later, at most, a range's runs merge than the first range's: its ``merge_ratio``
+times 1 + this times its first key group over ``max_parallelism``. The ranges of a stage get
+about as many changes per batch each, so their runs outgrew the same ratio in the same batch
+and every worker of a machine merged at once: at 4M keys two merges of 2M-row segments side by
+side were the run's peak (docs/benchmarks.md, "state_growth: the ranges' merges staggered").
+Staggered, they merge in different batches, as Flink staggers its tasks' changelog
+materialisations (a random initial delay each)."""
+
+
 class ArrowKeyedStateStore(KeyedStateStore):
     """An Arrow segment (sorted by key group then key hash, memory-mapped) plus runs of
     changes; see the module."""
@@ -79,7 +90,8 @@ class ArrowKeyedStateStore(KeyedStateStore):
         stage's or range's store, or an unreadable or damaged one (a file whose size or
         checksum differs from the manifest's, a missing file), raises ``LocalStoreError``.
         ``merge_ratio``, ``min_merge_rows``: the runs merge into a new segment once they hold
-        more rows than both; ``max_runs``: past this many runs, they compact into one.
+        more rows than both (the ratio staggered by the range: ``MERGE_STAGGER``); ``max_runs``:
+        past this many runs, they compact into one.
         ``verify=False`` checks sizes but not checksums (to measure what verifying costs)."""
         self.directory = Path(directory)
         self.layout = layout
@@ -420,10 +432,13 @@ class ArrowKeyedStateStore(KeyedStateStore):
 
     def _threshold(self, segment_rows: int | None = None) -> float:
         """The rows past which the runs merge into the segment (of ``segment_rows``, default
-        the current one's)."""
+        the current one's): ``merge_ratio`` of it, raised by up to ``MERGE_STAGGER`` by the
+        range's place among the key groups."""
         if segment_rows is None:
             segment_rows = self._segment.num_rows
-        return max(self.min_merge_rows, self.merge_ratio * segment_rows)
+        place = self.key_groups.start / self.layout.max_parallelism
+        return max(self.min_merge_rows,
+                   self.merge_ratio * (1 + MERGE_STAGGER * place) * segment_rows)
 
     def _compact_runs(self) -> None:
         """Replace the runs by one (each key's newest row): lookups search fewer runs."""

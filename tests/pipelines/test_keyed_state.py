@@ -2,6 +2,7 @@
 checked against a plain dict model on real checkpoint storage (local disk)."""
 
 import datetime as dt
+import json
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from pipelines.keyed import (
     LocalStoreError,
     StateTtl,
     TtlTimeCharacteristic,
+    assign_key_groups,
     chains_from_operator_state,
     chains_to_operator_state,
     compute_key_group_range_for_operator_index,
@@ -285,6 +287,37 @@ def test_store_of_another_layout_or_range_is_refused(tmp_path):
     with pytest.raises(LocalStoreError, match="key_groups differ"):
         ArrowKeyedStateStore(tmp_path / "store", LAYOUT, KeyGroupRange(0, 3))
     assert {"a": 1} == store_state(ArrowKeyedStateStore(tmp_path / "store", LAYOUT, ALL))
+
+
+def test_the_ranges_of_a_stage_merge_their_runs_in_different_batches(tmp_path):
+    """Two ranges given as many changes per batch merge their runs into their segments in
+    different batches (a merge of each at once was a machine's peak): the first range at
+    ``merge_ratio`` of its segment, the second (key groups from half of max_parallelism)
+    half as late again; and the staggered store holds every change."""
+    users = [f"user_{i}" for i in range(4000)]
+    groups = assign_key_groups(pa.table({"user": users}), ("user",), MAX_PARALLELISM)
+    half = MAX_PARALLELISM // 2
+    ranges = [KeyGroupRange(0, half - 1), KeyGroupRange(half, MAX_PARALLELISM - 1)]
+    keys = [[u for u, g in zip(users, groups.to_pylist(), strict=True) if g in r][:1000]
+            for r in ranges]
+    merged_at: list[list[int]] = [[], []]
+    for i, key_groups in enumerate(ranges):
+        store = ArrowKeyedStateStore(tmp_path / f"store-{i}", LAYOUT, key_groups,
+                                     merge_ratio=0.2, min_merge_rows=1, max_runs=100)
+        model = {k: 0 for k in keys[i]}
+        store.load(clicks_table(model), version="0")
+        for batch in range(1, 25):  # 20 changed keys a batch, 2% of the segment
+            changed = {k: batch for k in keys[i][batch * 20:(batch + 1) * 20]}
+            model |= changed
+            store.apply(clicks_table(changed), NO_KEYS, version=str(batch))
+            manifest = json.loads((tmp_path / f"store-{i}" / "MANIFEST.json").read_text())
+            if not manifest["body"]["runs"]:
+                merged_at[i].append(batch)
+        assert (model, len(model)) == (store_state(store), store.num_rows)
+        store.close()
+
+    # 20% of 1000 rows: past 200 changed rows, the 11th batch; the second range past 250
+    assert merged_at == [[11, 22], [13]]
 
 
 def test_store_ignores_files_its_manifest_does_not_name(tmp_path):

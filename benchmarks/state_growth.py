@@ -32,7 +32,8 @@ Per system and S:
 - recovery: a new process restarting from a copy of the checkpoint as it was after batch b
   and processing batch b+1, timed from process start (interpreter, imports, SparkSession,
   restore, one batch) and from the runner's (query's) start, at the best point (the shortest
-  chain of change files after a snapshot) and the worst (the longest chain) of the window.
+  chain of change files after a snapshot) and the worst (the longest chain; SS's from its
+  steady cycle, ``choose_points``) of the window.
   The worst point, the target's, is recovered ``--recoveries`` times per system (default
   3), the systems alternating in turns (ours, SS; SS, ours; ...), and its figure is the
   median: a single restart's wall moves by ±10% between runs on a quiet machine, and the

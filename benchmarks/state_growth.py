@@ -783,6 +783,12 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def recovery_figures(from_process_start: float, from_runner_start: float,
+                     peak_rss: float) -> str:
+    return (f"{from_process_start:.2f} s from process start, {from_runner_start:.2f} s from "
+            f"the runner's start, peak RSS {mib(peak_rss)}")
+
+
 def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
     checks = []
     for system, m in measured.items():
@@ -799,15 +805,15 @@ def report(size: int, measured: dict[str, Measured], args) -> list[bool]:
             many = len(r.runs) > 1
             print(f"    recovery at the {point} point (after batch {r.batch}, chains "
                   f"{r.chain} files){f', median of {len(r.runs)}' if many else ''}: "
-                  f"{r.median('from_process_start'):.2f} s from process start, "
-                  f"{r.median('from_runner_start'):.2f} s from the runner's start, peak RSS "
-                  f"{mib(r.peak_rss)}{' (the highest)' if many else ''}")
+                  + recovery_figures(r.median("from_process_start"),
+                                     r.median("from_runner_start"), r.peak_rss)
+                  + (" (the highest)" if many else ""))
             for i, run in enumerate(r.runs, 1):
                 # the ranges are built one after another: their sum is the prefetch's wall
                 prefetched = run.get("prefetched")
-                print(f"        {i}: {run['from_process_start']:.2f} s from process start, "
-                      f"{run['from_runner_start']:.2f} s from the runner's start, peak RSS "
-                      f"{mib(run['peak_rss'])}"
+                print(f"        {i}: "
+                      + recovery_figures(run["from_process_start"], run["from_runner_start"],
+                                         run["peak_rss"])
                       + (f"; local stores prefetched: "
                          f"{', '.join(p['outcome'] for p in prefetched)} "
                          f"({sum(p['seconds'] for p in prefetched):.2f} s)"

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
@@ -175,30 +176,42 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
         for url in batch.column(_URL).to_pylist():
             fs, path = source._location.filesystem(url)
             with fs.open(path, "rb") as f:
-                table = _read_table(f, source, url)
-            yield from table.select(target.names).cast(target).to_batches(
-                max_chunksize=READ_BATCH_ROWS)
+                for table in _read_tables(f, source, url):
+                    # each batch let go once handed over, the table before the next is read
+                    batches = table.select(target.names).cast(target).to_batches(
+                        max_chunksize=READ_BATCH_ROWS)
+                    del table
+                    batches.reverse()
+                    while batches:
+                        yield batches.pop()
 
 
-def _read_table(f, source: FileSource, url: str) -> pa.Table:
+def _read_tables(f, source: FileSource, url: str) -> Iterator[pa.Table]:
+    """A file's rows, a Parquet file a row group at a time: read whole, a first batch's file
+    of 8M rows held 0.7 GB in the reading worker, which it kept (freed, for reuse) into the
+    range's task it ran next (docs/benchmarks.md, "state_growth: unread output")."""
     if source.format == "parquet":
-        try:
-            return read_parquet(f, source.schema.names)
-        except ValueError as exc:
-            raise ValueError(f"{url} {exc} (the source's schema has {source.schema.names}); "
-                             "fix the file or the schema") from None
+        parquet = pq.ParquetFile(f)
+        missing = [n for n in source.schema.names if n not in parquet.schema_arrow.names]
+        if missing:
+            raise ValueError(f"{url} lacks the column(s) {missing} (the source's schema has "
+                             f"{source.schema.names}); fix the file or the schema")
+        for group in range(parquet.metadata.num_row_groups):
+            yield read_parquet(parquet, source.schema.names, [group])
+        return
     if source.format == "csv":
         from pyarrow import csv
 
         options = csv.ConvertOptions(column_types=source.schema)
-        return csv.read_csv(f, convert_options=options)
+        yield csv.read_csv(f, convert_options=options)
+        return
     from pyarrow import json
 
     # JSON has no date type: read dates as text, the cast to the schema converts them.
     as_read = pa.schema(
         [f.with_type(pa.string()) if pa.types.is_date(f.type) else f for f in source.schema]
     )
-    return json.read_json(f, parse_options=json.ParseOptions(explicit_schema=as_read))
+    yield json.read_json(f, parse_options=json.ParseOptions(explicit_schema=as_read))
 
 
 @dataclass(frozen=True)

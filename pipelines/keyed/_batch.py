@@ -7,7 +7,7 @@ import contextlib
 import datetime as dt
 import functools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 
 import pyarrow as pa
@@ -291,8 +291,12 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
                               routed_type, (key, source.key), list(source.columns))
     context = spark.sparkContext
     token = new_token()
-    set_task(context, task, token)
     watermark = task.stage.watermark
+    # Output rows no one reads are dropped in the ranges' tasks, not shipped to the JVM to
+    # be filtered there: a first batch's output is a row per key, held in each range's
+    # worker beside its store's merge (docs/benchmarks.md, "state_growth: unread output").
+    task = replace(task, output_read=output)
+    set_task(context, task, token)
     # The late rows are an output too: their pass is kept for them.
     output = output or (watermark is not None and bool(watermark.late_rows))
     # One Spark task per range: repartition(n, column) is never coalesced by adaptive

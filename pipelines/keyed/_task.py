@@ -151,7 +151,9 @@ class KeyedStageTask:
     longest a task waits for a local store's lock before it runs on a private copy of the
     store (``_locked_store``); the runner passes its lease ttl. ``processing_time``: the
     batch's wall-clock time, taken once on the driver, at or before which processing-time
-    timers fire (None: a stage without them)."""
+    timers fire (None: a stage without them). ``output_read``: whether the batch's output
+    rows are read (``apply_keyed_batch`` sets it from its ``output``); False, the ranges'
+    tasks count the stage's output rows and let them go where they were made."""
 
     storage: CheckpointStorage
     job_id: str
@@ -171,6 +173,7 @@ class KeyedStageTask:
                                                             repr=False)
     local_lock_timeout: dt.timedelta = DEFAULT_LEASE_TTL
     processing_time: dt.datetime | None = None
+    output_read: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chains", tuple(

@@ -238,6 +238,55 @@ def test_a_range_first_batch_runs_the_stage_in_slices_of_its_keys(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_range_task_whose_output_nothing_reads_holds_and_ships_none(tmp_path):
+    """``output_read=False`` (``apply_keyed_batch(..., output=False)``): the range's task
+    counts the stage's output rows and yields none of them (they went to the JVM to be
+    filtered out there), and it does not hold them through the store's write: Arrow's peak
+    over a first batch of 200,000 keys is lower than with the output read, and the same
+    change file rows are written."""
+    from dataclasses import replace
+
+    from pipelines.keyed._task import _OUTPUT
+
+    seen = {}
+    for read in (True, False):
+        task = replace(_one_range_task(tmp_path / str(read), KeyedStage(
+            "clicks", "user", CLICK_COUNT_STATE, count_clicks)), output_read=read)
+        previous, proxy = counting_pool()
+        try:
+            routed = _routed_users(task, 200_000)
+            held = proxy.bytes_allocated()
+            results = _run_handed_over(task, routed)
+            peak = proxy.max_memory() - held
+        finally:
+            pa.set_memory_pool(previous)
+        kinds = results.column("row_kind").to_pylist()
+        handles = results.filter(pa.compute.is_valid(results.column("output_rows")))
+        seen[read] = (kinds.count(_OUTPUT) > 0, handles.column("output_rows").to_pylist(),
+                      handles.column("rows").to_pylist(), peak)
+    assert seen[True][:3] == (True, [200_000], [200_000])
+    assert seen[False][:3] == (False, [200_000], [200_000])
+    assert seen[False][3] < 0.9 * seen[True][3], (seen[False][3], seen[True][3])
+
+
+@pytest.mark.timeout(120)
+def test_an_unread_output_that_does_not_fit_its_schema_still_fails_the_task(tmp_path):
+    """An output nothing reads is still checked against the output schema: the stage's
+    error shows before a sink is added, not after."""
+    from dataclasses import replace
+
+    def no_clicks_column(input: pa.Table, state: pa.Table) -> KeyedResult:
+        result = count_clicks(input, state)
+        return KeyedResult(result.upserts, result.deletes,
+                           result.output.drop_columns(["clicks"]))
+
+    task = replace(_one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
+                                                         no_clicks_column)), output_read=False)
+    with pytest.raises(ValueError, match=r"keyed stage clicks: output lacks column\(s\) \['clicks'\]"):
+        _run_handed_over(task, _routed_users(task, 100))
+
+
+@pytest.mark.timeout(120)
 def test_slices_of_a_large_batch_give_what_the_whole_batch_gives(tmp_path, monkeypatch):
     """The same first batch of 60,000 keys, run in slices of 10,000 rows and at once: the same
     output rows, the same change file rows and the same local store."""

@@ -189,7 +189,7 @@ def _read_files(source: FileSource, rows: Iterator[pa.RecordBatch]) -> Iterator[
 def _read_tables(f, source: FileSource, url: str) -> Iterator[pa.Table]:
     """A file's rows, a Parquet file a row group at a time: read whole, a first batch's file
     of 8M rows held 0.7 GB in the reading worker, which it kept (freed, for reuse) into the
-    range's task it ran next (docs/benchmarks.md, "state_growth: unread output")."""
+    range's task it ran next (docs/benchmarks.md, "state_growth: a first batch's memory")."""
     if source.format == "parquet":
         parquet = pq.ParquetFile(f)
         missing = [n for n in source.schema.names if n not in parquet.schema_arrow.names]

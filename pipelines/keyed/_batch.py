@@ -294,7 +294,7 @@ def apply_keyed_batch(input: DataFrame, task: KeyedStageTask, *,
     watermark = task.stage.watermark
     # Output rows no one reads are dropped in the ranges' tasks, not shipped to the JVM to
     # be filtered there: a first batch's output is a row per key, held in each range's
-    # worker beside its store's merge (docs/benchmarks.md, "state_growth: unread output").
+    # worker beside its store's merge (docs/benchmarks.md, "state_growth: a first batch's memory").
     task = replace(task, output_read=output)
     set_task(context, task, token)
     # The late rows are an output too: their pass is kept for them.

@@ -31,7 +31,7 @@ def test_amounts_are_exact_decimals():
 def test_recomputed_state_is_the_full_aggregate_and_a_difference_is_named(tmp_path):
     sg.write_batches(tmp_path, keys=50, batches=2, changed=10)
     expected = sg.expected_state(tmp_path, 3)
-    events = pa.concat_tables(pq.read_table(p) for p in sorted(tmp_path.glob("*")))
+    events = pa.concat_tables(pq.read_table(p) for p in sorted(tmp_path.glob("batch-*")))
     key = events.column("user_id")[0].as_py()
     mine = events.filter(pc.equal(events.column("user_id"), key))
     row = expected.filter(pc.equal(expected.column("user_id"), key)).to_pylist()[0]
@@ -129,6 +129,40 @@ def test_the_worst_point_is_recovered_in_turns_and_its_median_is_the_target(caps
     sg.report(1000, {"ours": ours, "ss-rocksdb": ss}, sg.argparse.Namespace(batches=1))
     assert "recovery (worst point): 0.83x SS RocksDB (target <= 0.8x): MISSED" in \
         capsys.readouterr().out
+
+
+def test_the_worst_point_is_recovered_again_only_where_a_verdict_could_change():
+    """After one pair at the worst point, more pairs run only while a recovery ratio with a
+    target is within ``REPEAT_BAND`` of it: the time's at every size, the peak's at 8M."""
+    mib = 2**20
+
+    def measured(wall, peak):
+        m = sg.Measured([1.0], [1], {}, [1, 2], {"kg0-127": 1}, "equal", 0, 0)
+        m.recovery["worst"] = sg.Recoveries(2, 2, [
+            {"from_process_start": wall, "from_runner_start": wall, "peak_rss": peak * mib}])
+        return m
+
+    clear = {"ours": measured(6.0, 900), "ss-rocksdb": measured(10.0, 1000)}  # 0.6x, 0.9x
+    near = {"ours": measured(7.5, 900), "ss-rocksdb": measured(10.0, 1000)}  # 0.75x
+    assert sg.recovery_ratios(1_000_000, clear) == {"recovery (worst point)": (0.6, 0.8)}
+    assert not sg.undecided(1_000_000, clear)
+    assert sg.undecided(1_000_000, near)
+    # at 8M the peak counts too: 0.9x of SS's is within 0.15 of its 1.0x target
+    assert sg.recovery_ratios(8_000_000, clear)["peak RSS in recovery"] == (0.9, 1.0)
+    assert sg.undecided(8_000_000, clear)
+    assert sg.undecided(1_000_000, {"ours": clear["ours"]})  # nothing to compare yet
+
+
+def test_the_recomputed_state_is_made_once_per_data_directory(tmp_path, monkeypatch):
+    """The second system's check reads the first one's recomputation: equal to a fresh one."""
+    sg.write_batches(tmp_path, 200, 2, 20)
+    first = sg.expected_state(tmp_path, 2)
+    calls = []
+    monkeypatch.setattr(sg, "_recomputed_state", lambda *a: calls.append(a))
+    assert sg.expected_state(tmp_path, 2).equals(first)
+    assert calls == []
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("batch-")) == [
+        "expected-state-2.parquet"]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="Linux /proc only")

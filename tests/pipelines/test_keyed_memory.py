@@ -282,7 +282,8 @@ def test_an_unread_output_that_does_not_fit_its_schema_still_fails_the_task(tmp_
 
     task = replace(_one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                          no_clicks_column)), output_read=False)
-    with pytest.raises(ValueError, match=r"keyed stage clicks: output lacks column\(s\) \['clicks'\]"):
+    with pytest.raises(ValueError,
+                       match=r"keyed stage clicks: output lacks column\(s\) \['clicks'\]"):
         _run_handed_over(task, _routed_users(task, 100))
 
 

@@ -788,8 +788,9 @@ def measure_size(size: int, changed: int, base: Path, args, order: list[str]) ->
                   f"{os.getloadavg()[0]:.1f}", flush=True)
         points = {s: choose_points(measured[s], steady=s == "ss-rocksdb") for s in order}
         turns = recovery_turns(order, args.recoveries)
+        first_pair_done = 2 * len(order)  # the best point once per system, one worst pair
         for i, (point, system) in enumerate(turns):
-            if i == len(order) * 2 and not undecided(size, measured):
+            if i == first_pair_done and not undecided(size, measured):
                 ratios = ", ".join(f"{label} {r:.2f}x (target {t}x)" for label, (r, t)
                                    in recovery_ratios(size, measured).items())
                 print(f"  S={size:,}: the worst point recovered once per system: {ratios}, "

@@ -17,7 +17,8 @@ times in its first batches (docs/benchmarks.md, "cold_run: the workers' imports 
 after the fork because pyarrow and numpy start threads at import, and a thread in a process
 that forks can leave a child with a lock that no thread will release: ``preload`` makes both
 start none (OpenBLAS with one thread, as Spark runs one task per core; Arrow's jemalloc
-without its background thread: Arrow allocates with mimalloc), and
+without its background thread: Arrow allocates with mimalloc, set to hand freed memory back
+at once), and
 ``tests/test_spark_resource.py`` checks that the daemon stays single-threaded. Imports no
 Dagster: it runs in the daemon's process.
 """
@@ -25,10 +26,12 @@ Dagster: it runs in the daemon's process.
 import gc
 import importlib
 import os
+import sys
+import zipimport
 
 import pyspark.daemon as _pyspark_daemon
 
-__all__ = ["PRELOADED", "preload", "worker"]
+__all__ = ["PRELOADED", "forget_zip_importers", "preload", "worker"]
 
 _worker = _pyspark_daemon.worker
 
@@ -52,11 +55,19 @@ PRELOADED = (
 # Settings that keep the libraries above from starting threads at import (a user's own win).
 _NO_THREADS = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 
+# Arrow's allocator (mimalloc) hands freed memory back to the system at once. By default
+# (arenas committed eagerly, a purge 10 ms after a free) the pages a task freed stayed in its
+# worker's RSS: a range's task (acero's group-bys and joins over a batch) kept ~50 MiB it had
+# freed to the task's end, and an 8M-key recovery's workers peaked at ~200 MiB each, ~150
+# with these (docs/benchmarks.md, "state_growth: a recovery's workers"); a steady batch's
+# time did not change. A user's own setting wins.
+_ARROW_RETURNS_MEMORY = {"MIMALLOC_ARENA_EAGER_COMMIT": "0", "MIMALLOC_PURGE_DELAY": "0"}
+
 
 def preload() -> list[str]:
     """Import ``PRELOADED`` in this (the daemon's) process; the names that failed. A failure
     is left to the worker: it imports the module itself and reports the error of its task."""
-    for name, value in _NO_THREADS.items():
+    for name, value in (_NO_THREADS | _ARROW_RETURNS_MEMORY).items():
         os.environ.setdefault(name, value)
     failed = []
     for name in PRELOADED:
@@ -65,6 +76,24 @@ def preload() -> list[str]:
         except Exception:  # noqa: BLE001
             failed.append(name)
     return failed
+
+
+def forget_zip_importers() -> int:
+    """Drop the zip archives' importers from ``sys.path_importer_cache``; how many.
+
+    A forked worker adds Spark's files directory to ``sys.path`` at its first task (pyspark's
+    ``setup_spark_files``) and calls ``importlib.invalidate_caches()``, where Python 3.11's
+    ``zipimporter`` reads its archive's whole directory again, once per importer: the ~15 of
+    pyspark.zip's packages and spark-core's jar (on the workers' ``PYTHONPATH``, ~6,000
+    entries), 0.3 s of CPU and 16 MiB in each worker. The archives do not change while the
+    daemon runs, and the cache is only a cache: an import through an archive later makes its
+    importer again from the directory ``zipimport`` keeps, read here once and shared with
+    every forked worker."""
+    archives = [path for path, finder in sys.path_importer_cache.items()
+                if isinstance(finder, zipimport.zipimporter)]
+    for path in archives:
+        del sys.path_importer_cache[path]
+    return len(archives)
 
 
 def worker(sock, authenticated: bool) -> int:
@@ -81,6 +110,7 @@ _pyspark_daemon.worker = worker
 if __name__ == "__main__":
     # A worker, forked from here, finds it in its ``__main__``: it started with these imported.
     preload_failed = preload()
+    forget_zip_importers()
     # The imports' objects out of the collector's reach: a forked worker's collections wrote
     # to every one of them (their headers), copying the daemon's pages into each worker
     # (private pages of a worker at an 8M-key recovery's batch: 124 -> 84-113 MiB).

@@ -6,8 +6,15 @@ group's first row in its offsets; a run is one batch's changes (or several compa
 once, sorted by key hash. A lookup hashes the keys and binary-searches a run, or the segment
 inside each key's key group, with numpy, then compares the candidates' keys: a batch costs
 what its keys cost, whatever the size of the state.
+
+The segment is memory-mapped: what a lookup reads stays resident (and counts in the worker's
+memory) until the store hands the pages back. A batch's keys are spread over the whole range
+(40,000 keys of a 4M-row range touch every page of its hash and key columns, ~100 MiB a
+worker), so a lookup reads the segment a part at a time (``PART_ROWS``), handing back each
+part's pages before the next.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +25,14 @@ from pipelines.keyed._key_groups import KeyGroupRange
 
 HASH = "_hash"
 DELETED = "_deleted"
+
+PART_ROWS = 1 << 18
+"""The segment rows a lookup reads between two hand-backs of their mapped pages (2 MiB of
+hashes, and of each column its width times this)."""
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -33,16 +48,18 @@ class Run:
 class Segment:
     """A segment's rows (segment schema, (key group, hash) order), their key hashes and the
     key group offsets of ``key_groups`` (``offsets[g]``: the first row of the range's ``g``-th
-    key group)."""
+    key group). ``release``: hands back the mapped pages read so far (the store's files')."""
 
     def __init__(self, table: pa.Table, hashes: np.ndarray, offsets: np.ndarray,
-                 key_groups: KeyGroupRange, max_parallelism: int, key: tuple[str, ...]) -> None:
+                 key_groups: KeyGroupRange, max_parallelism: int, key: tuple[str, ...],
+                 release: Callable[[], None] = _nothing) -> None:
         self.table = table
         self.hashes = hashes
         self.offsets = offsets
         self.key_groups = key_groups
         self.max_parallelism = max_parallelism
         self.key = key
+        self.release = release
 
     @property
     def num_rows(self) -> int:
@@ -72,11 +89,39 @@ class Segment:
         return found
 
     def find(self, keys: pa.Table, hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(segment row, query row) of the queried keys found in the segment."""
+        """(segment row, query row) of the queried keys found in the segment. Searched a part
+        at a time: key groups of at most ``PART_ROWS`` rows together (at least one), the pages
+        each part read handed back before the next."""
         if not self.num_rows or not len(hashes):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        return matching(self.table, self.bounds(hashes, "left"), self.bounds(hashes, "right"),
-                        keys, self.key)
+        groups = self.groups_of(hashes)
+        order = np.argsort(groups, kind="stable")
+        present, starts = np.unique(groups[order], return_index=True)
+        ends = np.append(starts[1:], len(order))
+        sizes = (self.offsets[present + 1] - self.offsets[present]).tolist()
+        found_rows, found_queries = [], []
+        first = 0
+        while first < len(present):
+            last, span = first + 1, sizes[first]
+            while last < len(present) and span + sizes[last] <= PART_ROWS:
+                span, last = span + sizes[last], last + 1
+            asked = order[starts[first]:ends[last - 1]]
+            left, right = np.empty(len(asked), np.int64), np.empty(len(asked), np.int64)
+            for group, start, end in zip(present[first:last].tolist(),
+                                         starts[first:last].tolist(),
+                                         ends[first:last].tolist(), strict=True):
+                low, high = self.offsets[group], self.offsets[group + 1]
+                stored, wanted = self.hashes[low:high], hashes[order[start:end]]
+                at = slice(start - starts[first], end - starts[first])
+                left[at] = low + np.searchsorted(stored, wanted, side="left")
+                right[at] = low + np.searchsorted(stored, wanted, side="right")
+            rows, query = matching(self.table, left, right, keys.take(pa.array(asked)),
+                                   self.key)
+            found_rows.append(rows)
+            found_queries.append(asked[query])
+            self.release()
+            first = last
+        return np.concatenate(found_rows), np.concatenate(found_queries)
 
 
 def matching(stored: pa.Table, left: np.ndarray, right: np.ndarray, keys: pa.Table,

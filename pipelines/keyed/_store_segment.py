@@ -31,10 +31,6 @@ PART_ROWS = 1 << 18
 hashes, and of each column its width times this)."""
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class Run:
     """One batch's changes (or several compacted): each key once, sorted by hash."""
@@ -52,7 +48,7 @@ class Segment:
 
     def __init__(self, table: pa.Table, hashes: np.ndarray, offsets: np.ndarray,
                  key_groups: KeyGroupRange, max_parallelism: int, key: tuple[str, ...],
-                 release: Callable[[], None] = _nothing) -> None:
+                 release: Callable[[], None]) -> None:
         self.table = table
         self.hashes = hashes
         self.offsets = offsets
@@ -106,16 +102,9 @@ class Segment:
             while last < len(present) and span + sizes[last] <= PART_ROWS:
                 span, last = span + sizes[last], last + 1
             asked = order[starts[first]:ends[last - 1]]
-            left, right = np.empty(len(asked), np.int64), np.empty(len(asked), np.int64)
-            for group, start, end in zip(present[first:last].tolist(),
-                                         starts[first:last].tolist(),
-                                         ends[first:last].tolist(), strict=True):
-                low, high = self.offsets[group], self.offsets[group + 1]
-                stored, wanted = self.hashes[low:high], hashes[order[start:end]]
-                at = slice(start - starts[first], end - starts[first])
-                left[at] = low + np.searchsorted(stored, wanted, side="left")
-                right[at] = low + np.searchsorted(stored, wanted, side="right")
-            rows, query = matching(self.table, left, right, keys.take(pa.array(asked)),
+            wanted = hashes[asked]
+            rows, query = matching(self.table, self.bounds(wanted, "left"),
+                                   self.bounds(wanted, "right"), keys.take(pa.array(asked)),
                                    self.key)
             found_rows.append(rows)
             found_queries.append(asked[query])

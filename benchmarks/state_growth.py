@@ -48,8 +48,11 @@ Per system and S:
   the highest of all its recoveries (not a median: a peak is what a machine must hold).
 
 With more than one S, ours' growth at ``GROWTH_CHANGED`` changed keys per batch from the
-smallest to the largest S (batch wall ratio) is measured in extra runs: the median of the
-steady batches, ``GROWTH_BATCHES`` after the initial state less the first ``GROWTH_WARMUP``.
+smallest to the largest S (batch wall ratio) is measured in two extra workers, alive together,
+their timed batches interleaved one at a time (so that a drift of the machine's speed reaches
+both: run one after the other, the pair's ratio moved between 0.90x and 1.32x across rounds):
+the median of the steady batches, ``GROWTH_BATCHES`` after the initial state less the first
+``GROWTH_WARMUP``.
 Those first batches pay, once, for the initial state's size, not for the batch's: the operating
 system writes back the ~0.7 GB the initial state left dirty at 8M (local stores, checkpoint,
 shuffle files) while they run, and until the workers of an executor shared verified files,
@@ -462,14 +465,21 @@ def worker_run(args, system: System) -> None:
     system.start(str(system.work / "local-run"))
     system.batch(0)
     print(f"PHASE {RUN_BATCHES}", flush=True)  # the parent's memory peaks, by phase
+    # ``--stepped``: each timed batch waits for the parent's line on stdin and says when it
+    # is done, so that the parent can interleave two workers' batches (the growth runs)
+    step = sys.stdin.readline if args.stepped else None
     chains, before = Chains(), listing(system.checkpoint)
     walls, cpus, written, lengths = [], [], [], []
     kinds: dict[str, int] = {}
     points = system.work / "points"
     for b in range(1, args.batches + 1):
+        if step is not None:
+            step()
         cpu0, t0 = tree_cpu_seconds(), time.perf_counter()
         system.batch(b)
         walls.append(time.perf_counter() - t0)
+        if step is not None:
+            print(f"STEP {b}", flush=True)
         cpus.append(tree_cpu_seconds() - cpu0)
         after = listing(system.checkpoint)
         new = written_between(before, after)
@@ -624,21 +634,64 @@ class Measured:
         return sum(self.written) / len(self.written)
 
 
+class Worker:
+    """A worker process (this script with ``argv``): its stdout read a line at a time, its
+    stderr kept in a file (not a pipe: Spark's log could fill it). It runs in a session of its
+    own: a JVM that outlives its worker (it holds the stdout pipe, so reading to its end would
+    wait for it: seen once after an 8M recovery) is killed with it by ``close``."""
+
+    def __init__(self, argv: list[str], stdin=None) -> None:
+        self.argv = argv
+        self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by close)
+        self.started = time.time()
+        self.proc = subprocess.Popen([sys.executable, __file__, *argv], stdin=stdin,
+                                     stdout=subprocess.PIPE, stderr=self.errors, text=True,
+                                     start_new_session=True)  # fmt: skip
+
+    def until(self, prefix: str) -> str:
+        """The rest of its next line that starts with ``prefix`` (a failure if it ends first)."""
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        self.close(None)
+        raise AssertionError("unreachable: close raises for a worker without its result")
+
+    def step(self) -> None:
+        """One timed batch of a ``--stepped`` worker."""
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        self.until("STEP ")
+
+    def close(self, result: dict | None, timeout: float = 600) -> dict:
+        """Wait for its end (its RESULT read: ``result``), kill what is left of its session;
+        raises with its stderr's last lines if it failed."""
+        try:
+            if result is not None:
+                self.proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.errors.seek(0)
+        stderr = self.errors.read()
+        self.errors.close()
+        if self.proc.returncode != 0 or result is None:
+            tail = " | ".join(stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"worker {' '.join(self.argv[:3])} failed "
+                               f"({self.proc.returncode}): {tail}")
+        return result
+
+
 def spawn(argv: list[str], sample: bool = True,
           phase: str = "all") -> tuple[dict, float, PeakMemory | None]:
     """Run a worker; its RESULT, the wall clock at its start, and its memory peaks (sampled
     until it prints TIMED-END, or to its end), by phase: ``phase`` from its start, then the
     phase each ``PHASE <name>`` line it prints names."""
-    errors = tempfile.TemporaryFile("w+")  # noqa: SIM115 (not a pipe: Spark's log could fill it)
-    started = time.time()
-    # A session of its own: a JVM that outlives its worker (it holds the stdout pipe, so
-    # reading to its end would wait for it: seen once after an 8M recovery) is killed with it.
-    proc = subprocess.Popen([sys.executable, __file__, *argv], stdout=subprocess.PIPE,
-                            stderr=errors, text=True, start_new_session=True)  # fmt: skip
-    peak = PeakMemory(proc.pid, phase=phase) if sample else None
+    worker = Worker(argv)
+    peak = PeakMemory(worker.proc.pid, phase=phase) if sample else None
     result = None
     try:
-        for line in proc.stdout:
+        for line in worker.proc.stdout:
             if line.startswith("TIMED-END") and peak is not None:
                 peak.active = False
             elif line.startswith("PHASE ") and peak is not None:
@@ -646,19 +699,11 @@ def spawn(argv: list[str], sample: bool = True,
             elif line.startswith("RESULT "):
                 result = json.loads(line[len("RESULT ") :])
                 break  # the worker's last line
-        proc.wait(timeout=600)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    errors.seek(0)
-    stderr = errors.read()
-    if peak is not None:
-        peak.stop()
-    if proc.returncode != 0 or result is None:
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
-        raise RuntimeError(f"worker {' '.join(argv[:3])} failed ({proc.returncode}): {tail}")
-    return result, started, peak
+        if peak is not None:
+            peak.stop()
+        worker.close(result)
+    return result, worker.started, peak
 
 
 def common_argv(system: str, data: Path, work: Path, args) -> list[str]:
@@ -816,25 +861,48 @@ def steady_wall(walls: list[float], warmup: int) -> float:
 
 def measure_growth(sizes: list[int], base: Path, args) -> dict[int, float]:
     """Ours' steady batch wall (``steady_wall``) at GROWTH_CHANGED changed keys, at the
-    smallest and largest S; prints each size's warm-up walls and its median of all batches."""
-    walls = {}
+    smallest and largest S: one worker each, both alive, their initial states built side by
+    side, then their timed batches interleaved one at a time (the first in turn alternating),
+    so that the machine's drift reaches both alike. Prints each size's warm-up walls and its
+    median of all batches."""
     growth_args = argparse.Namespace(**{**vars(args), "batches": args.growth_batches})
-    for size in (min(sizes), max(sizes)):
-        data = base / f"g{size}"
-        write_batches(data, size, growth_args.batches, args.growth_changed)
-        work = Path(tempfile.mkdtemp(prefix="state_growth-g-", dir=base))
-        try:
-            result, _, _ = spawn(["run", *common_argv("ours", data, work, growth_args)],
-                                 sample=False)
-            walls[size] = steady_wall(result["walls"], args.growth_warmup)
-            warmup = ", ".join(f"{w:.2f}" for w in result["walls"][:args.growth_warmup])
-            print(f"  growth S={size:,}: warm-up batches {warmup} s; steady median "
-                  f"{walls[size]:.2f} s over {len(result['walls']) - args.growth_warmup} "
-                  f"batches (all {statistics.median(result['walls']):.2f} s); load "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-            shutil.rmtree(data, ignore_errors=True)
+    pair = (min(sizes), max(sizes))
+    datas = {size: base / f"g{size}" for size in pair}
+    works = {size: Path(tempfile.mkdtemp(prefix="state_growth-g-", dir=base)) for size in pair}
+    workers: dict[int, Worker] = {}
+    results: dict[int, dict | None] = dict.fromkeys(pair)
+    try:
+        for size in pair:
+            write_batches(datas[size], size, growth_args.batches, args.growth_changed)
+        for size in pair:
+            workers[size] = Worker(["run", *common_argv("ours", datas[size], works[size],
+                                                        growth_args), "--stepped"],
+                                   stdin=subprocess.PIPE)
+        for size in pair:
+            workers[size].until(f"PHASE {RUN_BATCHES}")
+        for b in range(growth_args.batches):
+            for size in (pair if b % 2 == 0 else pair[::-1]):
+                workers[size].step()
+        for size in pair:
+            results[size] = json.loads(workers[size].until("RESULT "))
+    finally:
+        for size, worker in workers.items():
+            if results[size] is None:  # the error that stopped the pair is raised already
+                with contextlib.suppress(Exception):
+                    worker.close(None)
+            else:
+                worker.close(results[size])
+        for path in (*works.values(), *datas.values()):
+            shutil.rmtree(path, ignore_errors=True)
+    walls = {}
+    for size in pair:
+        batch_walls = results[size]["walls"]
+        walls[size] = steady_wall(batch_walls, args.growth_warmup)
+        warmup = ", ".join(f"{w:.2f}" for w in batch_walls[:args.growth_warmup])
+        print(f"  growth S={size:,}: warm-up batches {warmup} s; steady median "
+              f"{walls[size]:.2f} s over {len(batch_walls) - args.growth_warmup} batches (all "
+              f"{statistics.median(batch_walls):.2f} s); load {os.getloadavg()[0]:.1f}",
+              flush=True)
     return walls
 
 
@@ -935,6 +1003,7 @@ def main(argv=None) -> None:
     parser.add_argument("--work")
     parser.add_argument("--point", type=int)
     parser.add_argument("--points", action="store_true")
+    parser.add_argument("--stepped", action="store_true")
     parser.add_argument("--sizes", default="1000000,4000000,8000000")
     # ~100 batches of 1% reach our first full snapshot (changes outgrow the base)
     parser.add_argument("--batches", type=int, default=110)

@@ -232,6 +232,68 @@ def test_a_worker_is_done_at_its_result_and_whatever_it_leaves_is_killed(tmp_pat
         time.sleep(0.1)
 
 
+_STEPPED_WORKER = """
+import json, os, sys
+with open({log!r} + ".pids", "a") as pids:
+    pids.write(f"{{os.getpid()}}\\n")
+args = sys.argv[1:]
+data, batches = args[args.index("--data") + 1], int(args[args.index("--batches") + 1])
+assert "--stepped" in args
+size = int(data.rsplit("g", 1)[1])
+if size == {fail}:
+    sys.exit("the initial state failed")
+print("PHASE run's timed batches", flush=True)
+walls = []
+for b in range(1, batches + 1):
+    sys.stdin.readline()
+    with open({log!r}, "a") as log:
+        log.write(f"{{size}} {{b}}\\n")
+    walls.append(size / 1000 + b / 100)
+    print(f"STEP {{b}}", flush=True)
+print("RESULT " + json.dumps({{"walls": walls}}), flush=True)
+"""
+
+
+def _growth_args(batches: int) -> "sg.argparse.Namespace":
+    return sg.argparse.Namespace(growth_batches=batches, growth_changed=5, growth_warmup=1,
+                                 ss_min_deltas=10, prefetch=True)
+
+
+@pytest.mark.timeout(120)
+def test_growth_interleaves_the_two_sizes_batches_one_at_a_time(tmp_path, monkeypatch, capsys):
+    """Both growth workers are alive together; each timed batch starts only when the parent
+    says so, the two sizes take turns (the first in turn alternating), and each size's steady
+    wall is the median of its own batches after the warm-up."""
+    log = tmp_path / "steps.log"
+    worker = tmp_path / "worker.py"
+    worker.write_text(_STEPPED_WORKER.format(log=str(log), fail=-1))
+    monkeypatch.setattr(sg, "__file__", str(worker))
+
+    walls = sg.measure_growth([300, 100, 200], tmp_path, _growth_args(batches=4))
+
+    steps = log.read_text().split()
+    assert [(int(s), int(b)) for s, b in zip(steps[::2], steps[1::2], strict=True)] == [
+        (100, 1), (300, 1), (300, 2), (100, 2), (100, 3), (300, 3), (300, 4), (100, 4)]
+    assert walls == {100: pytest.approx(0.13), 300: pytest.approx(0.33)}
+    assert "growth S=300: warm-up batches 0.31 s" in capsys.readouterr().out
+    assert not list(tmp_path.glob("state_growth-g-*")) and not list(tmp_path.glob("g*"))
+
+
+@pytest.mark.timeout(120)
+def test_growth_stops_with_the_failed_workers_error_and_kills_the_other(tmp_path, monkeypatch):
+    worker = tmp_path / "worker.py"
+    worker.write_text(_STEPPED_WORKER.format(log=str(tmp_path / "steps.log"), fail=300))
+    monkeypatch.setattr(sg, "__file__", str(worker))
+    started = time.monotonic()
+
+    with pytest.raises(RuntimeError, match="failed .1.: the initial state failed"):
+        sg.measure_growth([100, 300], tmp_path, _growth_args(batches=3))
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "steps.log").exists()
+    pids = [int(p) for p in (tmp_path / "steps.log.pids").read_text().split()]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -31,6 +31,7 @@ from pipelines.keyed._layout import KeyedStateLayout
 from pipelines.keyed._local_stores import prebuild_local_store, store_directory
 from pipelines.keyed._memory import release_arrow_memory
 from pipelines.keyed._task import chain_version
+from pipelines.warm_up import hold_until
 
 __all__ = ["LocalStorePrefetch", "PrefetchedStore", "prefetch_local_stores"]
 
@@ -62,11 +63,20 @@ class LocalStorePrefetch:
         """Why nothing was prefetched (the checkpoint could not be read; logged)."""
         self._plan = plan
         self._results: list[PrefetchedStore] = []
+        # the Python workers' warm-up forks them after the ranges' rebuilds, not beside them
+        self._done = threading.Event()
+        hold_until(self._done)
         self._thread = threading.Thread(target=self._run, name="local-store-prefetch",
                                         daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._prefetch()
+        finally:
+            self._done.set()
+
+    def _prefetch(self) -> None:
         try:
             self.checkpoint, jobs = self._plan()
         except Exception as exc:  # noqa: BLE001 - the runner reads it again, and says why

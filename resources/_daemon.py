@@ -21,17 +21,27 @@ without its background thread: Arrow allocates with mimalloc, set to hand freed 
 at once), and
 ``tests/test_spark_resource.py`` checks that the daemon stays single-threaded. Imports no
 Dagster: it runs in the daemon's process.
+
+After its imports the daemon only forks: the pages of the libraries' code and constants that
+the imports touched (~100 MiB: pyarrow's libraries, numpy's, Python's own) it never reads
+again, and a forked worker maps what it reads itself (the kernel does not copy a file
+mapping's page table to a child). ``drop_library_pages`` hands them back: the daemon's RSS
+~183 -> ~93 MiB at an 8M-key restart, its workers unchanged (docs/benchmarks.md,
+"state_growth: the warm-up after the prefetch").
 """
 
+import contextlib
+import ctypes
 import gc
 import importlib
 import os
+import re
 import sys
 import zipimport
 
 import pyspark.daemon as _pyspark_daemon
 
-__all__ = ["PRELOADED", "forget_zip_importers", "preload", "worker"]
+__all__ = ["PRELOADED", "drop_library_pages", "forget_zip_importers", "preload", "worker"]
 
 _worker = _pyspark_daemon.worker
 
@@ -96,6 +106,47 @@ def forget_zip_importers() -> int:
     return len(archives)
 
 
+_MADV_DONTNEED = 4  # Linux
+_MAPPING = re.compile(r"([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)")
+
+
+def drop_library_pages() -> int:
+    """Hand back the resident pages of this process's private, read-only file mappings that
+    hold no page of its own (``Anonymous: 0 kB``: every page is the file's, as the page cache
+    holds it, so reading it again faults in the same bytes); the bytes they held. A mapping
+    with a private copy of a page (a library's relocated constants) is left as it is. 0
+    where ``/proc/self/smaps`` or ``madvise`` is not available."""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    clean: list[tuple[int, int, int]] = []  # (start, end, resident bytes)
+    mapping = None
+    resident = 0
+    for line in lines:
+        header = _MAPPING.match(line)
+        if header:
+            start, end, perms, inode = header.groups()
+            # private, not writable, a file's
+            mapping = ((int(start, 16), int(end, 16))
+                       if perms[1] == "-" and perms[3] == "p" and inode != "0" else None)
+        elif mapping is not None and line.startswith("Rss:"):
+            resident = int(line.split()[1]) * 1024
+        elif mapping is not None and line.startswith("Anonymous:"):
+            if int(line.split()[1]) == 0 and resident:
+                clean.append((*mapping, resident))
+            mapping = None
+    dropped = 0
+    for start, end, held in clean:
+        with contextlib.suppress(OSError):
+            if madvise(start, end - start, _MADV_DONTNEED) == 0:
+                dropped += held
+    return dropped
+
+
 def worker(sock, authenticated: bool) -> int:
     """``pyspark.daemon.worker``; 1 (a failed worker) when the JVM closed the socket."""
     try:
@@ -116,4 +167,5 @@ if __name__ == "__main__":
     # (private pages of a worker at an 8M-key recovery's batch: 124 -> 84-113 MiB).
     gc.collect()
     gc.freeze()
+    drop_library_pages()
     _pyspark_daemon.manager()

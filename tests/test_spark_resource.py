@@ -163,6 +163,50 @@ def test_the_daemon_preloads_the_workers_imports_and_stays_single_threaded():
         done.stdout[-2000:] + done.stderr[-2000:])
 
 
+_DROPPED_CHILD = textwrap.dedent("""
+    import os
+
+    import resources._daemon as daemon
+
+    def file_pages() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssFile"))
+
+    daemon.preload()
+    before = file_pages()
+    dropped = daemon.drop_library_pages()
+    after = file_pages()
+
+    def arrow_work() -> bool:  # a worker's: the libraries' code and constants read again
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = pa.table({"k": np.arange(100_000) % 1000, "v": np.ones(100_000, np.int64)})
+        sums = table.group_by("k").aggregate([("v", "sum")])
+        return sums.num_rows == 1000 and pc.sum(sums["v_sum"]).as_py() == 100_000
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if arrow_work() else 3)
+    forked = os.waitpid(child, 0)[1]
+    print(before, after, dropped // 1024, forked, arrow_work(), flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_the_daemon_hands_back_the_library_pages_its_imports_read():
+    """After its imports the daemon holds almost none of the libraries' pages they touched,
+    and both it and a worker forked from it then run Arrow's code and read its constants
+    (faulted in again, the same bytes)."""
+    done = subprocess.run([sys.executable, "-c", _DROPPED_CHILD], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, dropped, forked, works = done.stdout.split()
+    assert int(after) < 0.3 * int(before) and int(dropped) > 0.5 * int(before), done.stdout
+    assert (forked, works) == ("0", "True")
+
+
 _FREED_CHILD = textwrap.dedent("""
     import sys
 

@@ -101,11 +101,52 @@ _FAILING = _PRELUDE + textwrap.dedent("""
 """)
 
 
+_AFTER_PREFETCH = _PRELUDE + textwrap.dedent("""
+    import threading
+    import time
+
+    import pipelines.local_recovery as local_recovery
+    from pipelines import prefetch_local_stores
+
+    def ran(rows):  # the warm-up's task, in its worker: when it ran
+        import time
+
+        (marks / f"warm-up-{time.time()}").write_text("")
+        yield from rows
+
+    print("exact", first_partition(spark), flush=True)  # a checkpoint to prefetch
+    spark.stop()
+    warm_up._start_worker = ran
+    rebuild = local_recovery._Prebuild.__call__
+
+    release = threading.Event()
+
+    def slow_rebuild(self):  # a range rebuilt once the test says so
+        release.wait()
+        return rebuild(self)
+
+    local_recovery._Prebuild.__call__ = slow_rebuild
+    prefetch = prefetch_local_stores(storage_of(tmp), totals_pipeline(tmp))
+    spark = build_spark_session("local[2]", conf={"spark.ui.enabled": "false"})
+    warm_up.warm_up_workers(spark.sparkContext)
+    time.sleep(4)  # a warm-up not held would have run its tasks by now
+    released = time.time()
+    release.set()
+    warm_up.warm_up_workers(spark.sparkContext).join()
+    outcomes = sorted({p.outcome for p in prefetch.wait()})
+    first = min(float(m.name[len("warm-up-"):]) for m in marks.iterdir()
+                if m.name.startswith("warm-up-"))
+    print("the warm-up after the prefetch", outcomes, first >= released,
+          warm_up_jobs(spark), flush=True)
+""")
+
+
 def _run_child(script: str, tmp_path: Path) -> list[str]:
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=280)
     lines = [ln for ln in done.stdout.splitlines()
-             if ln.startswith(("exact", "in warmed", "the runner", "the shared", "stopped"))]
+             if ln.startswith(("exact", "in warmed", "the runner", "the shared", "stopped",
+                                   "the warm-up"))]
     return lines + ([] if done.returncode == 0 else [done.stdout[-2000:] + done.stderr[-3000:]])
 
 
@@ -129,3 +170,12 @@ def test_the_runner_starts_the_warm_up_and_its_failure_fails_nothing(tmp_path):
     """On a fresh session the runner starts the warm-up itself; when the warm-up's tasks
     fail, the run's state is exact all the same."""
     assert ["exact True", "the runner's failed ['FAILED']"] == _run_child(_FAILING, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_the_warm_up_forks_the_workers_after_a_running_prefetch(tmp_path):
+    """A warm-up asked for while a local store prefetch runs submits its job only once the
+    prefetch is done (its workers are not forked beside the driver's rebuilds); the prefetch
+    finds the stores the first run left (``present``) all the same."""
+    assert ["exact True", "the warm-up after the prefetch ['present'] True ['SUCCEEDED']"] == (
+        _run_child(_AFTER_PREFETCH, tmp_path))

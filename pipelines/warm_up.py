@@ -29,8 +29,8 @@ module in the workers.
 A warm-up not submitted yet waits while a local store prefetch of this process runs
 (``hold_until``; ``pipelines.local_recovery`` holds it): each forked worker holds the daemon's
 pages again, and the two workers forked beside the driver's rebuild of a 4M-row range made an
-8M-key restart's peak, ~1.1-1.2x Structured Streaming's; with the warm-up after the prefetch,
-~0.15 GiB less and no slower: the restart's first job needs the prefetched stores anyway
+8M-key restart's peak (1206-1302 MiB); with the warm-up after the prefetch, 1079-1291 (medians
+1233 -> 1149) and no slower: the restart's first job needs the prefetched stores anyway
 (docs/benchmarks.md, "state_growth: the warm-up after the prefetch").
 """
 

@@ -30,7 +30,6 @@ mapping's page table to a child). ``drop_library_pages`` hands them back: the da
 "state_growth: the warm-up after the prefetch").
 """
 
-import contextlib
 import ctypes
 import gc
 import importlib
@@ -113,9 +112,10 @@ _MAPPING = re.compile(r"([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)")
 def drop_library_pages() -> int:
     """Hand back the resident pages of this process's private, read-only file mappings that
     hold no page of its own (``Anonymous: 0 kB``: every page is the file's, as the page cache
-    holds it, so reading it again faults in the same bytes); the bytes they held. A mapping
-    with a private copy of a page (a library's relocated constants) is left as it is. 0
-    where ``/proc/self/smaps`` or ``madvise`` is not available."""
+    holds it, so reading it again faults in the same bytes, as after the kernel dropped it
+    under memory pressure); the bytes they held. A mapping with a private copy of a page (a
+    library's relocated constants) is left as it is. 0 where ``/proc/self/smaps`` or
+    ``madvise`` is not available."""
     try:
         with open("/proc/self/smaps") as smaps:
             lines = smaps.read().splitlines()
@@ -139,12 +139,8 @@ def drop_library_pages() -> int:
             if int(line.split()[1]) == 0 and resident:
                 clean.append((*mapping, resident))
             mapping = None
-    dropped = 0
-    for start, end, held in clean:
-        with contextlib.suppress(OSError):
-            if madvise(start, end - start, _MADV_DONTNEED) == 0:
-                dropped += held
-    return dropped
+    return sum(held for start, end, held in clean
+               if madvise(start, end - start, _MADV_DONTNEED) == 0)
 
 
 def worker(sock, authenticated: bool) -> int:

@@ -653,8 +653,7 @@ class Worker:
         for line in self.proc.stdout:
             if line.startswith(prefix):
                 return line[len(prefix) :]
-        self.close(None)
-        raise AssertionError("unreachable: close raises for a worker without its result")
+        raise self._stopped()
 
     def step(self) -> None:
         """One timed batch of a ``--stepped`` worker."""
@@ -669,17 +668,21 @@ class Worker:
             if result is not None:
                 self.proc.wait(timeout=timeout)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.errors.seek(0)
-        stderr = self.errors.read()
-        self.errors.close()
+            error = self._stopped()
         if self.proc.returncode != 0 or result is None:
-            tail = " | ".join(stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"worker {' '.join(self.argv[:3])} failed "
-                               f"({self.proc.returncode}): {tail}")
+            raise error
         return result
+
+    def _stopped(self) -> RuntimeError:
+        """Kill what is left of its session; the error that names its stderr's last lines."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.errors.seek(0)
+        tail = " | ".join(self.errors.read().strip().splitlines()[-3:])
+        self.errors.close()
+        return RuntimeError(f"worker {' '.join(self.argv[:3])} failed "
+                            f"({self.proc.returncode}): {tail}")
 
 
 def spawn(argv: list[str], sample: bool = True,

@@ -119,7 +119,7 @@ def drop_library_pages() -> int:
     try:
         with open("/proc/self/smaps") as smaps:
             lines = smaps.read().splitlines()
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

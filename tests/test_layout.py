@@ -1,5 +1,5 @@
-"""The house rules of the code's layout: modules small enough to do one job, and the runner's
-surface kept when its module was split (issue 28)."""
+"""The house rules of the code's layout: modules small enough to do one job, the runner's
+surface kept when its module was split (issue 28), and Arrow's memory measured one way."""
 
 import inspect
 from pathlib import Path
@@ -20,6 +20,22 @@ def test_no_module_is_over_a_thousand_lines():
     }
 
     assert {} == long
+
+
+def test_arrow_memory_is_measured_through_the_one_pool_that_outlives_its_buffers():
+    """A proxy memory pool is made in one place, ``counting_pool`` (tests/pipelines/support.py),
+    which keeps every proxy for the process's life: a proxy made elsewhere was freed at its
+    test's end while a buffer it allocated lived on, and the buffer's later free crashed CI's
+    test process (SIGSEGV)."""
+    own = Path("tests/pipelines/support.py")
+    makers = sorted(
+        str(relative)
+        for path in ROOT.rglob("*.py")
+        if (relative := path.relative_to(ROOT)).parts[0] not in (".venv", ".git")
+        and relative != own and "proxy_memory_pool(" in path.read_text()
+        and path != Path(__file__))
+
+    assert [] == makers
 
 
 # StatefulRunner's public methods, as users call them: (name, kind, default) per parameter.

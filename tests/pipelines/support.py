@@ -4,6 +4,8 @@ import datetime as dt
 import random
 import sys
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -379,13 +381,22 @@ def small_click_events_checkpoint(spark, work: Path, day: str) -> str:
     return result.checkpoint.pointer
 
 
-_POOLS = []  # proxies live as long as the process: a kept-open store may free through one later
+# Every proxy lives as long as the process: a buffer it allocated is freed through it, maybe
+# long after its block (a store kept open, a reader's cycle collected later), and a free
+# through a pool that is gone crashes the process (SIGSEGV, as one did CI's test run).
+_POOLS: list[pa.MemoryPool] = []
 
 
-def counting_pool():
-    """(The default memory pool, a proxy of it made the default) for a peak's measure."""
+@contextmanager
+def counting_pool() -> Iterator[pa.MemoryPool]:
+    """A proxy of the default memory pool, the default while the block runs, for a measure of
+    what Arrow allocates there (``bytes_allocated``, ``max_memory``). Tests measure Arrow's
+    memory with this only: never with a proxy of their own."""
     previous = pa.default_memory_pool()
     proxy = pa.proxy_memory_pool(previous)
     _POOLS.append(proxy)
     pa.set_memory_pool(proxy)
-    return previous, proxy
+    try:
+        yield proxy
+    finally:
+        pa.set_memory_pool(previous)

@@ -99,13 +99,10 @@ def test_a_change_file_is_written_without_a_sorted_copy_of_its_rows(job, handed_
     if handed_over == "sorted":
         upserts, hashes = _sorted(upserts)
     empty = pa.table({"user": pa.array([], pa.string())})
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         held = proxy.bytes_allocated()
         write_change_file(job.factory, LAYOUT, ALL, upserts, empty, upsert_hashes=hashes)
         peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
     assert peak < (0.1 if handed_over == "sorted" else 0.7) * upserts.nbytes, \
         peak / upserts.nbytes
 
@@ -125,17 +122,16 @@ def test_an_empty_store_makes_sorted_upserts_its_segment_without_a_copy(tmp_path
     upserts, hashes = _sorted(_upserts(ROWS))
     store = _store(tmp_path)
     store.get(upserts.slice(0, 1000).select(["user"]))
-    previous, proxy = counting_pool()
-    tracemalloc.start()
-    try:
-        held = proxy.bytes_allocated()
-        store.apply(upserts, pa.table({"user": pa.array([], pa.string())}), version="v1",
-                    upsert_hashes=hashes)
-        peak = proxy.max_memory() - held
-        _, numpy_peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-        pa.set_memory_pool(previous)
+    with counting_pool() as proxy:
+        tracemalloc.start()
+        try:
+            held = proxy.bytes_allocated()
+            store.apply(upserts, pa.table({"user": pa.array([], pa.string())}), version="v1",
+                        upsert_hashes=hashes)
+            peak = proxy.max_memory() - held
+            _, numpy_peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
     try:
         assert store.num_rows == ROWS
         assert pa.Table.from_batches(list(store.sorted_batches())).drop_columns(
@@ -165,20 +161,17 @@ def test_a_range_task_sorts_its_upserts_once_a_column_at_a_time():
         return pa.concat_tables([upserts.slice(start, 20_000).take(np.arange(20_000))
                                  for start in range(0, ROWS, 20_000)])
 
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         handed = [sliced()]
         held = proxy.bytes_allocated()
         whole = handed[0].take(pa.array(np.random.default_rng(4).permutation(ROWS)))
         whole_peak = proxy.max_memory() - held
         del whole, handed
-        _, proxy = counting_pool()  # frees go to the pool that allocated: slices of its own
+    with counting_pool() as proxy:  # a peak of its own
         handed = [sliced()]
         held = proxy.bytes_allocated()
         ordered, hashes = _in_store_order(layout, handed, "keyed stage clicks")
         peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
     assert not handed
     expected_hashes = hash_keys(upserts, layout.key)
     order = group_hash_order(expected_hashes % np.uint64(layout.max_parallelism),
@@ -205,8 +198,7 @@ def test_a_large_input_is_let_go_as_its_slices_are_cut(monkeypatch):
 
     monkeypatch.setattr(_executor, "_SLICE_ROWS", 50_000)
     stage = KeyedStage("clicks", "user", SCHEMA, _count)
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         held = proxy.bytes_allocated()
         table = pa.Table.from_batches(_upserts(ROWS).to_batches(max_chunksize=10_000))
         input_bytes = proxy.bytes_allocated() - held
@@ -217,8 +209,6 @@ def test_a_large_input_is_let_go_as_its_slices_are_cut(monkeypatch):
             seen.append(proxy.bytes_allocated() - held)
             users.extend(part.column("user").to_pylist())
             del part
-    finally:
-        pa.set_memory_pool(previous)
     assert len(seen) == 6 and len(users) == ROWS == len(set(users))
     assert seen[-1] < 0.4 * input_bytes, (seen[-1] / input_bytes)
 

@@ -12,7 +12,12 @@ from pyspark import StorageLevel, cloudpickle
 
 from pipelines.keyed import KeyedStage, apply_keyed_batch
 from pipelines.keyed._task import KeyedStageTask
-from tests.pipelines.support import CLICK_COUNT_STATE, count_clicks, keyed_batch_task
+from tests.pipelines.support import (
+    CLICK_COUNT_STATE,
+    count_clicks,
+    counting_pool,
+    keyed_batch_task,
+)
 
 # Spark's workers cannot import this test module: its functions travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -109,17 +114,12 @@ def test_a_parquet_read_holds_one_row_group_at_a_time(tmp_path):
     whole = table.nbytes
     del table
     source = FileSource(url=f"{tmp_path}/{{partition}}", schema="user string, n bigint")
-    previous = pa.default_memory_pool()
-    proxy = pa.proxy_memory_pool(previous)
-    pa.set_memory_pool(proxy)
-    try:
+    with counting_pool() as proxy:
         held, peak, users = proxy.bytes_allocated(), 0, []
         for batch in _read_files(source, iter([pa.record_batch(
                 {"id": [0], _URL: [str(tmp_path / "b.parquet")]})])):
             peak = max(peak, proxy.bytes_allocated() - held)
             users.extend(batch.column("n").to_pylist())
             del batch
-    finally:
-        pa.set_memory_pool(previous)
     assert users == list(range(rows))
     assert peak < 0.4 * whole, (peak, whole)

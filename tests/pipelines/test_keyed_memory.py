@@ -159,10 +159,7 @@ def test_a_range_task_holds_its_input_rows_once(tmp_path):
 
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                  count_clicks))
-    previous = pa.default_memory_pool()
-    proxy = pa.proxy_memory_pool(previous)
-    pa.set_memory_pool(proxy)
-    try:
+    with counting_pool() as proxy:
         users = pa.table({"user": [f"user_{i:07d}-{'x' * 40}" for i in range(200_000)]})
         routed = list(_operator_indices(task, _routes(1), users.schema, iter(
             users.to_batches(max_chunksize=50_000))))
@@ -176,8 +173,6 @@ def test_a_range_task_holds_its_input_rows_once(tmp_path):
 
         rows = sum(batch.num_rows for batch in _run_partition(task, handed_over()))
         peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
     assert rows > 0 and not routed
     # 2.2x the input: its copy, the store's rows and the stage's (3.1x before)
     assert peak < 2.6 * input_bytes, (peak, input_bytes)
@@ -224,15 +219,12 @@ def test_a_range_first_batch_runs_the_stage_in_slices_of_its_keys(tmp_path):
     the input, on top of it (the workers' peak in a first batch of 500,000 keys a range)."""
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                  count_clicks))
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         routed = _routed_users(task, 200_000)
         held = proxy.bytes_allocated()
         input_bytes = sum(batch.nbytes for batch in routed)
         results = _run_handed_over(task, routed)
         peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
     assert pa.compute.sum(results.column("output_rows")).as_py() == 200_000
     assert peak < 1.4 * input_bytes, (peak, input_bytes)
 
@@ -252,14 +244,11 @@ def test_a_range_task_whose_output_nothing_reads_holds_and_ships_none(tmp_path):
     for read in (True, False):
         task = replace(_one_range_task(tmp_path / str(read), KeyedStage(
             "clicks", "user", CLICK_COUNT_STATE, count_clicks)), output_read=read)
-        previous, proxy = counting_pool()
-        try:
+        with counting_pool() as proxy:
             routed = _routed_users(task, 200_000)
             held = proxy.bytes_allocated()
             results = _run_handed_over(task, routed)
             peak = proxy.max_memory() - held
-        finally:
-            pa.set_memory_pool(previous)
         kinds = results.column("row_kind").to_pylist()
         handles = results.filter(pa.compute.is_valid(results.column("output_rows")))
         seen[read] = (kinds.count(_OUTPUT) > 0, handles.column("output_rows").to_pylist(),
@@ -337,15 +326,12 @@ def test_a_store_merge_copies_the_rows_once(tmp_path):
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                 count_clicks))
     store = ArrowKeyedStateStore(tmp_path / "store", task.layout, task.key_groups(0))
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         upserts = pa.table({"user": [f"user_{i:07d}-{'x' * 40}" for i in range(200_000)],
                             "clicks": np.arange(200_000)}, schema=CLICK_COUNT_STATE)
         held = proxy.bytes_allocated()
         store.apply(upserts, pa.table({"user": pa.array([], pa.string())}), version="v1")
         peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
     try:
         assert store.num_rows == 200_000
         assert peak < 2.25 * upserts.nbytes, (peak, upserts.nbytes)
@@ -362,8 +348,7 @@ def test_output_payloads_are_made_one_at_a_time_without_copies():
 
     rows = pa.table({"user": [f"u{i}" for i in range(3 * _OUTPUT_ROWS_PER_PAYLOAD + 5)],
                      "clicks": np.arange(3 * _OUTPUT_ROWS_PER_PAYLOAD + 5)}, schema=OUTPUT)
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         held = proxy.bytes_allocated()
         decoded, peak = [], 0
         for batch in _payload_batches(_OUTPUT, 1, 0, rows):
@@ -371,8 +356,6 @@ def test_output_payloads_are_made_one_at_a_time_without_copies():
             assert batch.schema == _RESULT_SCHEMA and batch.num_rows == 1
             decoded.append(batch.column("payload")[0].as_py())  # out of the measured pool
             del batch
-    finally:
-        pa.set_memory_pool(previous)
     assert len(decoded) == 4
     # one payload in flight, less than the rows once (before: every payload, their Python
     # bytes and a table of them at once, over 2x the rows)
@@ -395,14 +378,11 @@ def test_a_range_task_does_not_copy_its_input_to_drop_the_routing_summaries(tmp_
 
     task = _one_range_task(tmp_path, KeyedStage("clicks", "user", CLICK_COUNT_STATE,
                                                  count_and_measure))
-    previous, proxy = counting_pool()
-    try:
+    with counting_pool() as proxy:
         routed = _routed_users(task, 100_000)
         held = proxy.bytes_allocated()
         input_bytes = sum(batch.nbytes for batch in routed)
         results = _run_handed_over(task, routed)
-    finally:
-        pa.set_memory_pool(previous)
     assert pa.compute.sum(results.column("output_rows")).as_py() == 100_000
     assert len(seen) == 1
     assert seen[0] - held < 0.25 * input_bytes, (seen[0] - held, input_bytes)

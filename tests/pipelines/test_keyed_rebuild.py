@@ -347,16 +347,13 @@ def test_the_rebuild_holds_a_slice_of_the_chain_not_the_chain(job, tmp_path, mon
         strict=True))
     chain_rows = 40_000 + 10 * 4_000
     monkeypatch.setattr(_rebuild, "_SLICE_ROWS", 5_000)
-    previous = pa.default_memory_pool()
-    pool = pa.proxy_memory_pool(previous)  # counts what the rebuild allocates, alone
-    pa.set_memory_pool(pool)
-    tracemalloc.start()
-    try:
-        store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
-        numpy_peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-        pa.set_memory_pool(previous)
+    with counting_pool() as pool:
+        tracemalloc.start()
+        try:
+            store = rebuild_store(tmp_path / "store", WIDE, key_groups, [chain], "v")
+            numpy_peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
     assert pool.max_memory() < decoded, (pool.max_memory(), decoded)
     assert numpy_peak < 32 * chain_rows, (numpy_peak, chain_rows)
     assert as_model(replay_chains([chain], WIDE, key_groups)) == store_state(store)
@@ -483,11 +480,8 @@ def test_the_rebuild_never_holds_the_change_files_later_slices(job, tmp_path, mo
 def _rebuilt_counting(tmp_path, layout, key_groups, chain):
     """``chain`` rebuilt into a store at ``tmp_path``, and the peak of what the rebuild alone
     allocated in Arrow."""
-    previous, pool = counting_pool()
-    try:
+    with counting_pool() as pool:
         store = rebuild_store(tmp_path / "store", layout, key_groups, [chain], "v")
-    finally:
-        pa.set_memory_pool(previous)
     return store, pool.max_memory()
 
 

@@ -50,6 +50,7 @@ from tests.pipelines.support import (
     Job,
     as_model,
     clicks_table,
+    counting_pool,
     deletes,
     store_state,
 )
@@ -512,13 +513,8 @@ def _large_chain(job: Job, tmp_path: Path) -> tuple[KeyedStateChain, dict[str, i
 def _arrow_peak(consume) -> int:
     """The most bytes Arrow's default pool held at once while ``consume()`` ran, above what
     it held before (a proxy pool counts them: Parquet reads, takes and joins use it)."""
-    previous = pa.default_memory_pool()
-    proxy = pa.proxy_memory_pool(previous)
-    pa.set_memory_pool(proxy)
-    try:
+    with counting_pool() as proxy:
         consume()
-    finally:
-        pa.set_memory_pool(previous)
     return proxy.max_memory()
 
 

@@ -129,16 +129,15 @@ def test_a_full_snapshot_of_a_store_with_runs_holds_a_batch_not_the_state(tmp_pa
     store = _store_with_runs(tmp_path, 2)
     job = Job(tmp_path / "job")
     segment_bytes = store._files.checksums[store._segment_file][0]
-    previous, proxy = counting_pool()
-    try:
-        held = proxy.bytes_allocated()
-        pages = _FilePeak()
-        write_full_snapshot(job.factory, LAYOUT, RANGE, store.sorted_batches(), "m")
-        file_peak = pages.stop()
-        peak = proxy.max_memory() - held
-    finally:
-        pa.set_memory_pool(previous)
-        store.close()
+    with counting_pool() as proxy:
+        try:
+            held = proxy.bytes_allocated()
+            pages = _FilePeak()
+            write_full_snapshot(job.factory, LAYOUT, RANGE, store.sorted_batches(), "m")
+            file_peak = pages.stop()
+            peak = proxy.max_memory() - held
+        finally:
+            store.close()
     assert peak < 1.1 * segment_bytes, peak / segment_bytes
     assert file_peak < 0.75 * segment_bytes, file_peak / segment_bytes
 

@@ -284,7 +284,8 @@ nothing a Structured Streaming query keeps."""
 LOCAL_SESSION_CONF = {
     "spark.python.daemon.module": "resources._daemon",
     "spark.driver.extraJavaOptions": "-XX:G1PeriodicGCInterval=2000 -XX:MinHeapFreeRatio=10 "
-                                     "-XX:MaxHeapFreeRatio=30 -XX:TieredStopAtLevel=1",
+                                     "-XX:MaxHeapFreeRatio=30 -XX:TieredStopAtLevel=1 "
+                                     "-Xms64m -XX:GCTimeRatio=4",
 }
 """What a session of ``resources.build_spark_session`` sets on a local master
 (``resources.spark.LOCAL_SPARK_CONF``, checked equal by tests/test_benchmark_measures.py;
@@ -294,7 +295,9 @@ workers: nothing changes for them), and the driver JVM's options: G1 hands back 
 committed but no longer needs (a collection when none ran for 2 s, then at most 30% of the
 heap free), so that the JVM's RSS follows its live data instead of the most it ever allocated
 between collections (it varied by 0.9 GB between identical 1M-key runs: docs/benchmarks.md,
-"state_growth: where the memory goes"), and it compiles with C1 only (docs/benchmarks.md,
+"state_growth: where the memory goes"), it starts with a 64 MB heap that G1 grows only when
+its collections take over 20% of the time (docs/benchmarks.md, "state_growth: the local driver
+JVM's heap at a restart"), and it compiles with C1 only (docs/benchmarks.md,
 "state_growth: the local driver JVM without C2"). Given to both systems' JVMs, so that
 neither system's result is the other's JVM setting."""
 

@@ -57,8 +57,15 @@ LOCAL_SPARK_CONF: dict[str, str] = {
     # their time: docs/benchmarks.md, "state_growth: the local driver JVM without C2"). A
     # long local job that spends its time in Spark SQL may want C2 back: a ``conf`` with its
     # own extraJavaOptions replaces these.
+    # Its heap starts at 64 MB (not 1/64 of the machine's memory) and G1 grows it only when
+    # its collections take over 20% of the time (``GCTimeRatio=4``; G1's own 12, ~8%): in a
+    # JVM's first seconds short collections come often, and G1 grew the heap to 0.5-1.1 GB
+    # for 60-130 MB live, the touched part of it the JVM's RSS (an 8M-key restart's JVM at
+    # its batch: 520-570 -> 400-460 MiB, no slower: docs/benchmarks.md, "state_growth: the
+    # local driver JVM's heap at a restart").
     "spark.driver.extraJavaOptions": (
-        f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} -XX:TieredStopAtLevel=1"),
+        f"{DEFAULT_SPARK_CONF['spark.driver.extraJavaOptions']} -XX:TieredStopAtLevel=1 "
+        "-Xms64m -XX:GCTimeRatio=4"),
 }
 """Added to ``DEFAULT_SPARK_CONF`` on a ``local`` master, where the workers run the driver's
 Python environment (its driver JVM options extend the default ones)."""

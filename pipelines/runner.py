@@ -71,7 +71,7 @@ from pipelines._results import (
 from pipelines._spec import SOURCE, StatefulPipeline
 from pipelines._stage_kinds import empty_state, stage_kinds
 from pipelines.keyed import DEFAULT_LOCAL_STORE_MAX_AGE
-from pipelines.warm_up import warm_up_workers
+from pipelines.warm_up import wait_for_holds, warm_up_workers
 
 __all__ = [
     "SCHEDULED_SAVEPOINTS",
@@ -306,6 +306,9 @@ class StatefulRunner(Restoring, CheckpointWriting):
             logger.warning("pipeline %s: %s", self.pipeline.name, rewound)
             if on_progress is not None:
                 on_progress(rewound)
+        # A local store prefetch still running: the first job's tasks need its stores, and
+        # the workers they fork beside its rebuild would hold memory for nothing (warm_up).
+        wait_for_holds()
         results = []
         try:
             if self._damaged:

@@ -31,14 +31,18 @@ A warm-up not submitted yet waits while a local store prefetch of this process r
 pages again, and the two workers forked beside the driver's rebuild of a 4M-row range made an
 8M-key restart's peak (1206-1302 MiB); with the warm-up after the prefetch, 1079-1291 (medians
 1233 -> 1149) and no slower: the restart's first job needs the prefetched stores anyway
-(docs/benchmarks.md, "state_growth: the warm-up after the prefetch").
+(docs/benchmarks.md, "state_growth: the warm-up after the prefetch"). ``StatefulRunner.run``
+also waits for the holds before its first job (``wait_for_holds``): that job's tasks need the
+prefetched stores, and the daemon and workers it started beside the driver's rebuild made
+the peak of 4 in 9 such restarts (1067-1099 MiB, 945-958 with the wait; docs/benchmarks.md,
+"state_growth: the local driver JVM's heap at a restart").
 """
 
 import logging
 import threading
 import weakref
 
-__all__ = ["WARM_UP_GROUP", "hold_until", "warm_up_workers"]
+__all__ = ["WARM_UP_GROUP", "hold_until", "wait_for_holds", "warm_up_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +84,14 @@ def hold_until(done: threading.Event) -> None:
         _HOLDS[:] = [*(held for held in _HOLDS if not held.is_set()), done]
 
 
+def wait_for_holds() -> None:
+    """Wait until every hold of this process (``hold_until``) set now is released."""
+    with _STARTED_LOCK:
+        holds = list(_HOLDS)
+    for held in holds:
+        held.wait()
+
+
 def warm_up_workers(context) -> threading.Thread | None:
     """Start the warm-up job of the SparkContext ``context`` in a background thread, unless
     one was started already (then that thread); None: not on this master, or stopped. It
@@ -101,10 +113,7 @@ def warm_up_workers(context) -> threading.Thread | None:
 
 
 def _run(context) -> None:
-    with _STARTED_LOCK:
-        holds = list(_HOLDS)
-    for held in holds:
-        held.wait()
+    wait_for_holds()
     try:
         # This thread's jobs only (a job group is the thread's local property).
         context.setJobGroup(WARM_UP_GROUP, "Python workers started before the first batch",

@@ -129,15 +129,24 @@ _AFTER_PREFETCH = _PRELUDE + textwrap.dedent("""
     prefetch = prefetch_local_stores(storage_of(tmp), totals_pipeline(tmp))
     spark = build_spark_session("local[2]", conf={"spark.ui.enabled": "false"})
     warm_up.warm_up_workers(spark.sparkContext)
-    time.sleep(4)  # a warm-up not held would have run its tasks by now
+    runner = StatefulRunner(spark, storage_of(tmp), totals_pipeline(tmp))
+    run = threading.Thread(target=runner.run, args=(["p2"],))
+    run.start()
+    time.sleep(4)  # a warm-up or a runner not held would have submitted jobs by now
+    tracker = spark.sparkContext.statusTracker()
+    held_jobs = [*tracker.getJobIdsForGroup(None), *tracker.getJobIdsForGroup(
+        warm_up.WARM_UP_GROUP)]
     released = time.time()
     release.set()
     warm_up.warm_up_workers(spark.sparkContext).join()
+    run.join()
     outcomes = sorted({p.outcome for p in prefetch.wait()})
     first = min(float(m.name[len("warm-up-"):]) for m in marks.iterdir()
                 if m.name.startswith("warm-up-"))
     print("the warm-up after the prefetch", outcomes, first >= released,
           warm_up_jobs(spark), flush=True)
+    print("the runner after the prefetch", held_jobs, len(tracker.getJobIdsForGroup(None)) > 0,
+          expected(["p1", "p2"]) == state_of(runner), flush=True)
 """)
 
 
@@ -175,7 +184,10 @@ def test_the_runner_starts_the_warm_up_and_its_failure_fails_nothing(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_warm_up_forks_the_workers_after_a_running_prefetch(tmp_path):
     """A warm-up asked for while a local store prefetch runs submits its job only once the
-    prefetch is done (its workers are not forked beside the driver's rebuilds); the prefetch
-    finds the stores the first run left (``present``) all the same."""
-    assert ["exact True", "the warm-up after the prefetch ['present'] True ['SUCCEEDED']"] == (
+    prefetch is done (its workers are not forked beside the driver's rebuilds), and so does a
+    runner's run started then (its first job's tasks need the prefetched stores); the
+    prefetch finds the stores the first run left (``present``) all the same, and the run's
+    state is the partitions' totals."""
+    assert ["exact True", "the warm-up after the prefetch ['present'] True ['SUCCEEDED']",
+            "the runner after the prefetch [] True True"] == (
         _run_child(_AFTER_PREFETCH, tmp_path))

@@ -306,11 +306,12 @@ class StatefulRunner(Restoring, CheckpointWriting):
             logger.warning("pipeline %s: %s", self.pipeline.name, rewound)
             if on_progress is not None:
                 on_progress(rewound)
-        # A local store prefetch still running: the first job's tasks need its stores, and
-        # the workers they fork beside its rebuild would hold memory for nothing (warm_up).
-        wait_for_holds()
         results = []
         try:
+            # A local store prefetch still running: the first job's tasks need its stores,
+            # and the workers they fork beside its rebuild would hold memory for nothing
+            # (warm_up).
+            wait_for_holds()
             if self._damaged:
                 repaired = self._repair(states, origin, partitions[0])
                 if on_progress is not None:

@@ -34,7 +34,7 @@ pages again, and the two workers forked beside the driver's rebuild of a 4M-row 
 (docs/benchmarks.md, "state_growth: the warm-up after the prefetch"). ``StatefulRunner.run``
 also waits for the holds before its first job (``wait_for_holds``): that job's tasks need the
 prefetched stores, and the daemon and workers it started beside the driver's rebuild made
-the peak of 4 in 9 such restarts (1067-1099 MiB, 945-958 with the wait; docs/benchmarks.md,
+the peak of 4 in 9 such restarts (1067-1099 MiB, 945-983 with the wait; docs/benchmarks.md,
 "state_growth: the local driver JVM's heap at a restart").
 """
 

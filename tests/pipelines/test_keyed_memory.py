@@ -133,6 +133,14 @@ def test_a_full_snapshot_runs_on_the_sessions_python_workers(spark, tmp_path):
     assert _python_daemons(jvm) == daemons
 
 
+def _vm_option(spark, name: str) -> str:
+    """The value of the session's JVM's HotSpot flag ``name``, as the JVM runs with it."""
+    jvm = spark.sparkContext._jvm
+    flags = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
+        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
+    return flags.getVMOption(name).getValue()
+
+
 def test_the_sessions_jvm_hands_back_idle_heap(spark):
     """A session of ``build_spark_session`` starts its JVM with G1 options that return idle
     heap (the driver JVM was most of a run's RSS: G1 kept what the busiest batch needed)."""
@@ -143,9 +151,7 @@ def test_the_sessions_jvm_hands_back_idle_heap(spark):
                      .getInputArguments())
     wanted = DEFAULT_SPARK_CONF["spark.driver.extraJavaOptions"].split()
     assert wanted and all(option in arguments for option in wanted), arguments
-    flags = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
-        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
-    assert flags.getVMOption("G1PeriodicGCInterval").getValue() == "2000"
+    assert _vm_option(spark, "G1PeriodicGCInterval") == "2000"
 
 
 def test_a_local_sessions_jvm_starts_small_and_grows_its_heap_reluctantly(spark):
@@ -153,11 +159,8 @@ def test_a_local_sessions_jvm_starts_small_and_grows_its_heap_reluctantly(spark)
     only when its collections take over 20% of the time: with HotSpot's defaults (1/64 of
     the machine's memory, G1's 8%) the JVM of an 8M-key restart had grown its heap to 1.1 GB
     for ~0.1 GB live, ~0.1 GB more of it resident at the batch."""
-    jvm = spark.sparkContext._jvm
-    flags = jvm.java.lang.management.ManagementFactory.getPlatformMXBean(
-        jvm.java.lang.Class.forName("com.sun.management.HotSpotDiagnosticMXBean"))
-    assert flags.getVMOption("InitialHeapSize").getValue() == str(64 << 20)
-    assert flags.getVMOption("GCTimeRatio").getValue() == "4"
+    assert _vm_option(spark, "InitialHeapSize") == str(64 << 20)
+    assert _vm_option(spark, "GCTimeRatio") == "4"
 
 
 @pytest.mark.timeout(120)
